@@ -1,0 +1,259 @@
+"""DeepInfer's MLA/SWA attention backend for DeepSeek-V4.1 on vLLM.
+
+V4.1 keeps four kinds of per-layer state, each paged by vLLM's KV cache manager
+with its own spec (so prefix caching, chunked prefill and preemption come from
+vLLM itself):
+
+* window KV of every layer: MXFP8 records, a sliding-window spec (pages that
+  fall out of the window are freed, prefix hits keep the last window);
+* compressed KV of KV-source layers: NVFP4 records, one per ``ratio`` tokens;
+* index keys of KV-source layers: MXFP4 records, one per ``ratio`` tokens;
+* the ratio-2 compressor ring: one fp32 ``[u | g]`` row per recent token, so a
+  pair split across two steps can still be pooled.
+
+The model's attention code reads and writes these records itself (see
+``paged_records``); the backend only declares the specs and builds the
+per-step metadata every layer shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from deepinfer_vllm.attention_backends.paged_records import RecordFormat
+
+BACKEND_NAME = "DEEPINFER_V41_MLA_SWA"
+
+# Rows kept per request in the ratio-2 compressor ring. A pair is pooled when
+# its second token arrives; the first may have come one step earlier, so two
+# rows suffice without speculation. Four keeps the ring a power of two and
+# leaves room for one rejected draft.
+COMPRESSOR_RING_ROWS = 4
+
+
+@dataclass
+class V41StepMetadata:
+    """Per-step metadata of one KV cache group (host tensors on CPU)."""
+
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
+    seq_lens: torch.Tensor  # [num_reqs] int64, tokens in the request after this step
+    context_lens: torch.Tensor  # [num_reqs] int64, tokens already in the cache
+    positions: torch.Tensor  # [num_actual_tokens] int64
+    token_req: torch.Tensor  # [num_actual_tokens] int64, request row of each token
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int64
+    block_size: int  # tokens covered by one block of this group
+
+
+class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):
+    """Turns vLLM's common metadata into :class:`V41StepMetadata`."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> V41StepMetadata:
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        num_tokens = cm.num_actual_tokens
+        qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
+        seq_lens = cm.seq_lens[:num_reqs].to("cpu", torch.int64)
+        query_lens = qsl[1:] - qsl[:-1]
+        positions = cm.positions
+        assert positions is not None, "V4.1 needs token positions in the metadata"
+        token_req = torch.repeat_interleave(
+            torch.arange(num_reqs, dtype=torch.int64), query_lens
+        )
+        return V41StepMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            context_lens=seq_lens - query_lens,
+            positions=positions[:num_tokens].to(torch.int64),
+            token_req=token_req,
+            block_table=cm.block_table_tensor[:num_reqs].to(torch.int64),
+            block_size=self.kv_cache_spec.block_size,
+        )
+
+
+class DeepInferV41Backend(AttentionBackend):
+    """Backend of every V4.1 cache layer; attention math lives in the model."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError(
+            "V4.1 attention runs inside the model's attention module; "
+            "this backend has no separate impl class."
+        )
+
+    @staticmethod
+    def get_builder_cls() -> type[V41MetadataBuilder]:
+        return V41MetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return True
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+
+class V41CacheLayer(nn.Module, AttentionLayerBase):
+    """One paged cache of a V4.1 layer, registered with vLLM by name.
+
+    ``kind`` is ``window`` | ``compressed`` | ``index`` | ``ring`` | ``tokens``
+    (the raw token ids of the last few positions, Engram's n-gram history). The page
+    size of every V4.1 cache is padded to ``page_bytes`` (the largest page of
+    the model) because vLLM's hybrid allocator shares one block pool between
+    all groups and needs one physical page size.
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        kind: str,
+        record: RecordFormat | None,
+        ratio: int = 1,
+        sliding_window: int | None = None,
+        ring_row_floats: int = 0,
+    ):
+        super().__init__()
+        self.prefix = prefix
+        self.kind = kind
+        self.record = record
+        self.ratio = ratio
+        self.sliding_window = sliding_window
+        self.ring_row_floats = ring_row_floats
+        self.page_bytes: int | None = None
+        self.kv_cache = torch.tensor([])
+        vllm_config = get_current_vllm_config()
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        ctx[prefix] = self
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return DeepInferV41Backend
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def unpadded_spec(self, block_size: int) -> KVCacheSpec:
+        return self._spec(block_size, None)
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        assert self.page_bytes is not None, "page size not set by the model"
+        return self._spec(vllm_config.cache_config.block_size, self.page_bytes)
+
+    def _spec(self, block_size: int, padded: int | None) -> KVCacheSpec:
+        if self.kind == "ring":
+            return CircularBufferSpec(
+                block_size=COMPRESSOR_RING_ROWS,
+                num_kv_heads=1,
+                head_size=self.ring_row_floats,
+                head_size_v=0,
+                dtype=torch.float32,
+                page_size_padded=padded,
+            )
+        if self.kind == "tokens":
+            assert self.sliding_window is not None
+            return SlidingWindowSpec(
+                block_size=block_size,
+                num_kv_heads=1,
+                head_size=1,
+                head_size_v=0,
+                dtype=torch.int32,
+                sliding_window=self.sliding_window,
+                page_size_padded=padded,
+            )
+        assert self.record is not None
+        common = dict(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=self.record.dim,
+            head_size_v=0,
+            dtype=torch.uint8,
+            state_content_bytes=self.record.record_bytes,
+            page_size_padded=padded,
+        )
+        if self.kind == "window":
+            assert self.sliding_window is not None
+            return SlidingWindowSpec(sliding_window=self.sliding_window, **common)
+        return MLAAttentionSpec(tokens_per_state=self.ratio, **common)
+
+
+def harmonise_page_sizes(layers: list[V41CacheLayer], block_size: int) -> int:
+    """Pad every cache page of the model to the largest one; returns it."""
+    page = max(layer.unpadded_spec(block_size).page_size_bytes for layer in layers)
+    for layer in layers:
+        layer.page_bytes = page
+    return page
+
+
+def bytes_per_token(layers: list[V41CacheLayer], block_size: int) -> dict[str, float]:
+    """Unpadded cache bytes per token by kind (ring excluded: per request)."""
+    totals: dict[str, float] = {}
+    for layer in layers:
+        if layer.kind == "ring":
+            continue
+        spec = layer.unpadded_spec(block_size)
+        totals[layer.kind] = totals.get(layer.kind, 0.0) + spec.page_size_bytes / block_size
+    return totals

@@ -1,0 +1,84 @@
+"""Quantised KV records stored in vLLM-managed pages.
+
+vLLM hands every cache layer a ``[num_blocks, 1, states_per_block, record_bytes]``
+uint8 view. A page keeps the values of all its records first and their scales
+after them ("values region, then scales region"), so that a kernel can stream
+the value bytes of a whole page without stepping over scale bytes. This module
+is the one place that knows that layout; it imports no vLLM so the GPU host and
+the reference tests can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_vllm.ops import quant
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """One cache record: ``dim`` values encoded as ``fmt``."""
+
+    fmt: str  # "mxfp8" | "nvfp4" | "mxfp4"
+    dim: int
+
+    @property
+    def value_bytes(self) -> int:
+        return quant.record_bytes(self.fmt, self.dim)[0]
+
+    @property
+    def scale_bytes(self) -> int:
+        return quant.record_bytes(self.fmt, self.dim)[1]
+
+    @property
+    def record_bytes(self) -> int:
+        return self.value_bytes + self.scale_bytes
+
+
+def split_page_regions(
+    cache: torch.Tensor, fmt: RecordFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(values [B, N, value_bytes], scales [B, N, scale_bytes])``.
+
+    ``cache`` is the per-layer view vLLM binds (``[B, 1, N, record_bytes]`` or
+    ``[B, N, record_bytes]``); pages may be padded, so the block stride is kept.
+    """
+    if cache.dim() == 4:
+        cache = cache.squeeze(1)
+    num_blocks, num_states, record = cache.shape
+    assert record == fmt.record_bytes, (record, fmt)
+    flat = cache.flatten(1)
+    split = num_states * fmt.value_bytes
+    values = flat[:, :split].unflatten(1, (num_states, fmt.value_bytes))
+    scales = flat[:, split:].unflatten(1, (num_states, fmt.scale_bytes))
+    return values, scales
+
+
+def write_records(
+    cache: torch.Tensor,
+    fmt: RecordFormat,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    x: torch.Tensor,
+) -> None:
+    """Quantise ``x [n, dim]`` and store record i at ``(blocks[i], offsets[i])``."""
+    if x.shape[0] == 0:
+        return
+    values, scales = split_page_regions(cache, fmt)
+    q_values, q_scales = quant.quantize(fmt.fmt, x)
+    values[blocks, offsets] = q_values
+    scales[blocks, offsets] = q_scales
+
+
+def read_records(
+    cache: torch.Tensor,
+    fmt: RecordFormat,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dequantise the records at ``(blocks, offsets)`` (any index shape)."""
+    values, scales = split_page_regions(cache, fmt)
+    return quant.dequantize(fmt.fmt, values[blocks, offsets], scales[blocks, offsets], dtype)

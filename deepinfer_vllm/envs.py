@@ -1,0 +1,65 @@
+"""Every ``DEEPINFER_*`` setting of the plugin, in one place.
+
+Read lazily (at call time), so a variable set after import still counts and
+the plugin stays cheap to import in every vLLM process.
+
+| Variable | Default | Meaning |
+| --- | --- | --- |
+| ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` | ``off`` | ``off``: every layer runs every prompt row. ``mask``: decoder layers (the causal decoder half, from the first ratio-1 layer) keep window KV only for the last ``KEEP`` prompt positions and clip their window there (DeepInfer's bounded replay semantics). ``compact``: the same numerics, computing decoder layers only on the kept rows. |
+| ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` | ``0`` (= ``sliding_window + 12`` when truncating) | retained suffix ``KEEP``; must be at least ``sliding_window``. |
+| ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). |
+"""
+
+from __future__ import annotations
+
+import os
+
+YOCO_MODES = ("off", "mask", "compact")
+
+
+def _get(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip()
+
+
+def yoco_mode() -> str:
+    mode = _get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "off").lower()
+    if mode not in YOCO_MODES:
+        raise ValueError(
+            f"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE={mode!r}; expected one of {YOCO_MODES}"
+        )
+    return mode
+
+
+def yoco_keep_tokens() -> int:
+    raw = _get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "0")
+    try:
+        keep = int(raw)
+    except ValueError as e:
+        raise ValueError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={raw!r} is not an integer") from e
+    if keep < 0:
+        raise ValueError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={keep} must be >= 0")
+    return keep
+
+
+def yoco_settings(sliding_window: int) -> tuple[str, int]:
+    """``(mode, keep)`` validated against the model's window."""
+    mode = yoco_mode()
+    keep = yoco_keep_tokens()
+    if mode == "off":
+        return mode, 0
+    if keep == 0:
+        # DeepInfer ships KEEP = W + 12 (= 140 for Flash's 128-token window).
+        keep = sliding_window + 12
+    if keep < sliding_window:
+        raise ValueError(
+            f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={keep} is below the sliding window "
+            f"({sliding_window}); decode would read window KV that was never written."
+        )
+    return mode, keep
+
+
+def platform_mode() -> str:
+    mode = _get("DEEPINFER_PLATFORM", "auto").lower()
+    if mode not in ("auto", "off"):
+        raise ValueError(f"DEEPINFER_PLATFORM={mode!r}; expected 'auto' or 'off'")
+    return mode

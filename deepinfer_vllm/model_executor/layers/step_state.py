@@ -1,0 +1,103 @@
+"""State one V4.1 forward step shares across its layers.
+
+vLLM passes each cache layer its own metadata (block tables differ per KV cache
+group); the token layout (positions, request of every token, sequence lengths)
+is the same for all of them and is read once here. Source layers publish what
+later layers reuse (top-k of the latest index source, candidate masks), which
+DeepInfer calls the cross-layer blackboard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer, V41StepMetadata
+from deepinfer_vllm.attention_backends.paged_records import read_records, write_records
+
+
+@dataclass
+class StepState:
+    """Token layout of the step plus the cross-layer blackboard."""
+
+    attn_metadata: dict[str, V41StepMetadata]
+    positions: torch.Tensor  # [T] int64
+    token_req: torch.Tensor  # [T] int64
+    seq_lens: torch.Tensor  # [R] int64
+    context_lens: torch.Tensor  # [R] int64
+    num_reqs: int
+    # YOCO truncation: first position whose decoder-layer window KV exists
+    # (per token), or None when truncation is off.
+    decoder_window_start: torch.Tensor | None = None
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def from_metadata(cls, attn_metadata: dict, any_layer: str) -> "StepState":
+        meta = attn_metadata[any_layer]
+        return cls(
+            attn_metadata=attn_metadata,
+            positions=meta.positions,
+            token_req=meta.token_req,
+            seq_lens=meta.seq_lens,
+            context_lens=meta.context_lens,
+            num_reqs=meta.num_reqs,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+class PagedView:
+    """Addresses one cache layer's records by (request row, entry index)."""
+
+    def __init__(self, layer: V41CacheLayer, state: StepState):
+        self.layer = layer
+        self.meta: V41StepMetadata = state.attn_metadata[layer.prefix]
+
+    def _slot(self, req: torch.Tensor, entry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ratio = self.layer.ratio
+        block_size = self.meta.block_size
+        first_pos = entry * ratio
+        blocks = self.meta.block_table[req, first_pos // block_size]
+        offsets = (first_pos % block_size) // ratio
+        return blocks, offsets
+
+    def write(self, req: torch.Tensor, entry: torch.Tensor, x: torch.Tensor) -> None:
+        if entry.numel() == 0:
+            return
+        blocks, offsets = self._slot(req, entry)
+        write_records(self.layer.kv_cache, self.layer.record, blocks, offsets, x)
+
+    def read(self, req: torch.Tensor, entry: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantised records; ``entry`` may be any shape (clamp invalid ones first)."""
+        blocks, offsets = self._slot(req, entry)
+        return read_records(self.layer.kv_cache, self.layer.record, blocks, offsets, dtype)
+
+
+class RingView:
+    """The ratio-2 compressor ring: fp32 rows addressed by token position."""
+
+    def __init__(self, layer: V41CacheLayer, state: StepState):
+        self.layer = layer
+        self.meta: V41StepMetadata = state.attn_metadata[layer.prefix]
+        cache = layer.kv_cache
+        if cache.dim() == 4:
+            cache = cache.squeeze(1)
+        self.rows = cache  # [num_blocks, ring_rows, row_floats] fp32
+        self.capacity = cache.shape[1]
+
+    def _slot(self, req: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.meta.block_table[req, 0], pos % self.capacity
+
+    def write(self, req: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> None:
+        if pos.numel() == 0:
+            return
+        blocks, offsets = self._slot(req, pos)
+        self.rows[blocks, offsets] = rows.float()
+
+    def read(self, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        blocks, offsets = self._slot(req, pos)
+        return self.rows[blocks, offsets]

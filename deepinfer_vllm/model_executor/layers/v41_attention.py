@@ -1,0 +1,273 @@
+"""CSA2 attention of one V4.1 layer, over vLLM-paged caches.
+
+Order inside a step (prefill chunk or decode, mixed in one batch):
+window KV of every token is quantised and written first, then (KV sources)
+the compressed KV and index keys of every group the step completes, then
+(index sources) the indexer scores over the cached keys; attention finally
+reads everything back from the caches. Every key a query sees therefore went
+through its cache format exactly once, which is what the full-sequence
+reference does with quantise-dequantise at the same points.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
+from deepinfer_vllm.attention_backends.paged_records import RecordFormat
+from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
+from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
+from deepinfer_vllm.model_executor.layers.weights import dense, linear, vector
+from deepinfer_vllm.ops import quant
+from deepinfer_vllm.ops.compressor import pool_ratio2
+from deepinfer_vllm.ops.indexer import candidate_block_mask, index_scores, select_topk
+from deepinfer_vllm.ops.norm import rms_norm
+from deepinfer_vllm.ops.rope import apply_rope_tail
+from deepinfer_vllm.ops.sparse_attention import sparse_attention
+
+WINDOW_FORMAT = "mxfp8"
+COMPRESSED_FORMAT = "nvfp4"
+INDEX_FORMAT = "mxfp4"
+
+
+class Compressor(nn.Module):
+    """Weights of a KV source's compressor (ratio 2 has the gate)."""
+
+    def __init__(self, arch: V41Arch, ratio: int):
+        super().__init__()
+        self.wkv = dense(arch.head_dim, arch.hidden_size)
+        self.wgate = dense(arch.head_dim, arch.hidden_size) if ratio == 2 else None
+        self.norm = vector(arch.head_dim)
+
+
+class Indexer(nn.Module):
+    """Indexer weights; ``wk``/``k_norm`` only on KV sources."""
+
+    def __init__(self, arch: V41Arch, owns_keys: bool):
+        super().__init__()
+        self.wq_b = dense(arch.index_n_heads * arch.index_head_dim, arch.q_lora_rank)
+        self.weights_proj = dense(arch.index_n_heads, arch.hidden_size)
+        self.wk = dense(arch.index_head_dim, arch.head_dim) if owns_keys else None
+        self.k_norm = vector(arch.index_head_dim) if owns_keys else None
+
+
+class V41Attention(nn.Module):
+    """Window + compressed sparse attention with sinks (spec §6)."""
+
+    def __init__(
+        self,
+        arch: V41Arch,
+        role: LayerRole,
+        rope_cache: torch.Tensor,
+        prefix: str,
+        cache_layers: dict[str, V41CacheLayer],
+    ):
+        super().__init__()
+        self.arch = arch
+        self.role = role
+        self.prefix = prefix
+        self.register_buffer("rope_cache", rope_cache, persistent=False)
+        a = arch
+        self.wq_a = dense(a.q_lora_rank, a.hidden_size)
+        self.q_norm = vector(a.q_lora_rank)
+        self.wq_b = dense(a.num_heads * a.head_dim, a.q_lora_rank)
+        self.wkv = dense(a.head_dim, a.hidden_size)
+        self.kv_norm = vector(a.head_dim)
+        self.wo_a = dense(a.o_groups * a.o_lora_rank, a.num_heads * a.head_dim // a.o_groups)
+        self.wo_b = dense(a.hidden_size, a.o_groups * a.o_lora_rank)
+        self.attn_sink = vector(a.num_heads)
+        self.compressor = Compressor(a, role.ratio) if role.is_kv_source else None
+        self.indexer = Indexer(a, role.is_kv_source) if role.is_index_source else None
+
+        # Caches: this layer's own window; KV sources own the compressed and
+        # index caches (others read their source's through ``cache_layers``).
+        self.window_cache = V41CacheLayer(
+            f"{prefix}.window_cache",
+            "window",
+            RecordFormat(WINDOW_FORMAT, a.head_dim),
+            sliding_window=a.sliding_window,
+        )
+        cache_layers[self.window_cache.prefix] = self.window_cache
+        self.compressed_cache: V41CacheLayer | None = None
+        self.index_cache: V41CacheLayer | None = None
+        self.ring_cache: V41CacheLayer | None = None
+        if role.is_kv_source:
+            self.compressed_cache = V41CacheLayer(
+                f"{prefix}.compressed_cache",
+                "compressed",
+                RecordFormat(COMPRESSED_FORMAT, a.head_dim),
+                ratio=role.ratio,
+            )
+            self.index_cache = V41CacheLayer(
+                f"{prefix}.index_cache",
+                "index",
+                RecordFormat(INDEX_FORMAT, a.index_head_dim),
+                ratio=role.ratio,
+            )
+            cache_layers[self.compressed_cache.prefix] = self.compressed_cache
+            cache_layers[self.index_cache.prefix] = self.index_cache
+            if role.ratio == 2:
+                self.ring_cache = V41CacheLayer(
+                    f"{prefix}.ring_cache", "ring", None, ring_row_floats=2 * a.head_dim
+                )
+                cache_layers[self.ring_cache.prefix] = self.ring_cache
+        # The KV source's attention (possibly this layer), bound by the model
+        # after construction; kept out of the module tree (it is not a child).
+        self._kv_source: list[V41Attention] = []
+
+    def bind_kv_source(self, source: "V41Attention") -> None:
+        self._kv_source[:] = [source]
+
+    @property
+    def kv_source(self) -> "V41Attention":
+        return self._kv_source[0]
+
+    # ------------------------------------------------------------------ helpers
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return apply_rope_tail(x, positions, self.rope_cache, inverse=inverse)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, state: StepState) -> torch.Tensor:
+        a = self.arch
+        T = x.shape[0]
+        dtype = x.dtype
+        pos = state.positions
+        req = state.token_req
+
+        c_q = rms_norm(linear(x, self.wq_a), self.q_norm, a.rms_norm_eps)
+        q = linear(c_q, self.wq_b).view(T, a.num_heads, a.head_dim)
+        q = self._rope(q, pos)
+        kv = rms_norm(linear(x, self.wkv), self.kv_norm, a.rms_norm_eps)
+        kv = self._rope(kv, pos)
+
+        window = PagedView(self.window_cache, state)
+        window_lo = self._window_lower_bound(state)
+        write_mask = pos >= window_lo
+        window.write(req[write_mask], pos[write_mask], kv[write_mask])
+
+        if self.role.is_kv_source:
+            self._write_compressed(x, state)
+        topk = None
+        if self.role.ratio > 0:
+            if self.role.is_index_source:
+                topk = self._select(x, c_q, state)
+                state.topk[self.role.layer_id] = topk
+            else:
+                topk = state.topk[self.role.index_source]
+
+        keys, valid = self._gather_keys(state, window, window_lo, topk, dtype)
+        o = sparse_attention(q, keys, valid, self.attn_sink, a.head_dim**-0.5)
+        o = self._rope(o, pos, inverse=True)
+        group_in = o.reshape(T, a.o_groups, -1)
+        wo_a = self.wo_a.view(a.o_groups, a.o_lora_rank, -1)
+        z = torch.einsum("tgi,goi->tgo", group_in.float(), wo_a.float()).to(dtype)
+        return linear(z.reshape(T, -1), self.wo_b)
+
+    def _window_lower_bound(self, state: StepState) -> torch.Tensor:
+        """Lowest position whose window KV this layer keeps, per token."""
+        if state.decoder_window_start is not None and self.role.is_decoder:
+            return state.decoder_window_start
+        return torch.zeros_like(state.positions)
+
+    # ------------------------------------------------------------- compressor
+    def _write_compressed(self, x: torch.Tensor, state: StepState) -> None:
+        """Compressed KV + index key of every group completed in this step."""
+        a = self.arch
+        r = self.role.ratio
+        comp = self.compressor
+        pos = state.positions
+        req = state.token_req
+        if r == 1:
+            lat = linear(x, comp.wkv)
+            entry_req, entry = req, pos
+        else:
+            u = x.float() @ comp.wkv.float().t()
+            g = x.float() @ comp.wgate.float().t()
+            ring = RingView(self.ring_cache, state)
+            ring.write(req, pos, torch.cat([u, g], dim=-1))
+            closes = (pos % 2) == 1
+            if not bool(closes.any()):
+                return
+            entry_req = req[closes]
+            second = pos[closes]
+            # The first token of the pair is in the ring (written this step or
+            # an earlier one); fp32 rows are stored exactly.
+            first_rows = ring.read(entry_req, second - 1)
+            pair_u = torch.stack([first_rows[:, : a.head_dim], u[closes]], dim=1)
+            pair_g = torch.stack([first_rows[:, a.head_dim :], g[closes]], dim=1)
+            lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1)).to(x.dtype)
+            entry = second // 2
+        lat = rms_norm(lat, comp.norm, a.rms_norm_eps)
+        first_pos = entry * r
+        comp_kv = self._rope(lat, first_pos)
+        PagedView(self.compressed_cache, state).write(entry_req, entry, comp_kv)
+        idx = self.indexer
+        k = rms_norm(linear(lat, idx.wk), idx.k_norm, a.rms_norm_eps)
+        k = self._rope(k, first_pos)
+        PagedView(self.index_cache, state).write(entry_req, entry, k)
+
+    # ---------------------------------------------------------------- indexer
+    def _select(self, x: torch.Tensor, c_q: torch.Tensor, state: StepState) -> torch.Tensor:
+        """Top-k compressed entries of every token (-1 = none), spec §6.6."""
+        a = self.arch
+        r = self.role.ratio
+        T = x.shape[0]
+        idx = self.indexer
+        qi = linear(c_q, idx.wq_b).view(T, a.index_n_heads, a.index_head_dim)
+        qi = quant.mxfp4_qdq(self._rope(qi, state.positions))
+        # DeepInfer drops the 1/sqrt(dk * heads) weight scale: it is 2^-6 for
+        # Flash's shapes, so dropping it cannot change any comparison.
+        w = linear(x, idx.weights_proj)
+        visible = (state.positions + 1) // r
+        source = self.kv_source
+        keys_view = PagedView(source.index_cache, state)
+        topk = torch.full((T, a.index_topk), -1, dtype=torch.int64)
+        is_candidate_source = self.role.is_candidate_source
+        use_candidates = self.role.uses_candidates
+        for row in range(state.num_reqs):
+            tok = (state.token_req == row).nonzero(as_tuple=True)[0]
+            if tok.numel() == 0:
+                continue
+            n = int(visible[tok].max())
+            if n == 0:
+                continue
+            entries = torch.arange(n)
+            keys = keys_view.read(torch.full_like(entries, row), entries, x.dtype)
+            scores = index_scores(qi[tok], w[tok], keys, visible[tok])
+            if is_candidate_source:
+                state.candidates[row] = candidate_block_mask(
+                    scores, visible[tok], a.candidate_block_size, a.candidate_topk_blocks
+                )
+            elif use_candidates:
+                scores = scores.masked_fill(~state.candidates[row], float("-inf"))
+            topk[tok] = select_topk(scores, a.index_topk)
+        return topk
+
+    # -------------------------------------------------------------- attention
+    def _gather_keys(
+        self,
+        state: StepState,
+        window: PagedView,
+        window_lo: torch.Tensor,
+        topk: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (= values) each token attends to and their validity mask."""
+        W = self.arch.sliding_window
+        pos = state.positions
+        req = state.token_req
+        offs = torch.arange(W, dtype=torch.int64)
+        key_pos = pos.unsqueeze(1) - (W - 1) + offs
+        valid = key_pos >= window_lo.unsqueeze(1)
+        safe_pos = torch.where(valid, key_pos, pos.unsqueeze(1))
+        keys = window.read(req.unsqueeze(1).expand_as(safe_pos), safe_pos, dtype)
+        if topk is None:
+            return keys, valid
+        source = self.kv_source
+        comp_valid = topk >= 0
+        safe_entry = torch.where(comp_valid, topk, torch.zeros_like(topk))
+        comp = PagedView(source.compressed_cache, state).read(
+            req.unsqueeze(1).expand_as(safe_entry), safe_entry, dtype
+        )
+        return torch.cat([keys, comp], dim=1), torch.cat([valid, comp_valid], dim=1)

@@ -1,0 +1,302 @@
+"""DeepSeek-V4.1-Flash for vLLM, DeepInfer's implementation (CPU path).
+
+Structure follows spec §4: embedding broadcast to ``hc_mult`` residual streams,
+40 blocks with single-pass mHC (the input of a sublayer is collapsed with the
+pre-mix of the previous site), CSA2 attention, MoE, Engram at its layers, and a
+final collapse with the last FFN site's pre-mix. The causal encoder/decoder
+split matters only to prefill truncation (``DEEPINFER_YOCO_*``).
+
+Weights arrive in the released format (FP8 blocks, packed FP4 experts, FP8
+Engram rows) and are dequantised once while loading; the checkpoint header is
+validated against the format before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+
+from deepinfer_vllm import envs
+from deepinfer_vllm.attention_backends.mla_swa import (
+    V41CacheLayer,
+    bytes_per_token,
+    harmonise_page_sizes,
+)
+from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
+from deepinfer_vllm.model_executor import checkpoint
+from deepinfer_vllm.model_executor.layers.step_state import StepState
+from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
+from deepinfer_vllm.model_executor.layers.v41_engram import EngramTables, TokenHistory, V41Engram
+from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
+from deepinfer_vllm.model_executor.layers.weights import vector
+from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand, hc_mix, identity_pre
+from deepinfer_vllm.ops.norm import rms_norm
+from deepinfer_vllm.ops.rope import build_rope_cache
+
+logger = logging.getLogger(__name__)
+
+
+class HyperConnection(nn.Module):
+    """The mHC parameters of one sublayer site (fp32 in the checkpoint)."""
+
+    def __init__(self, arch: V41Arch):
+        super().__init__()
+        hc = arch.hc_mult
+        self.fn = nn.Parameter(torch.empty(hc * (hc + 2), hc * arch.hidden_size), requires_grad=False)
+        self.base = vector(hc * (hc + 2))
+        self.scale = vector(3)
+        self.arch = arch
+
+    def mix(self, streams: torch.Tensor):
+        a = self.arch
+        return hc_mix(streams, self.fn, self.base, self.scale, a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
+
+
+class DeepseekV41Block(nn.Module):
+    """One backbone layer: [Engram] -> attention site -> FFN site (spec §4)."""
+
+    def __init__(
+        self,
+        arch: V41Arch,
+        role: LayerRole,
+        rope_cache: torch.Tensor,
+        prefix: str,
+        cache_layers: dict[str, V41CacheLayer],
+    ):
+        super().__init__()
+        self.arch = arch
+        self.role = role
+        self.attn_norm = vector(arch.hidden_size)
+        self.ffn_norm = vector(arch.hidden_size)
+        self.hc_attn = HyperConnection(arch)
+        self.hc_ffn = HyperConnection(arch)
+        self.attn = V41Attention(arch, role, rope_cache, f"{prefix}.attn", cache_layers)
+        self.ffn = V41MoE(
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            arch.n_routed_experts,
+            arch.top_k,
+            arch.routed_scaling_factor,
+            arch.norm_topk_prob,
+            arch.swiglu_limit,
+            arch.image_token_id,
+        )
+        self.engram = None
+        if role.has_engram:
+            idx = list(arch.engram_layer_ids).index(role.layer_id)
+            self.engram = V41Engram(arch, role.layer_id, arch.engram_num_embeddings[idx])
+
+    def forward(self, streams, pre_in, input_ids, state: StepState, engram_inputs):
+        eps = self.arch.rms_norm_eps
+        if self.engram is not None:
+            ngram_ids, tables, is_image = engram_inputs
+            streams = self.engram(streams, ngram_ids, tables, is_image)
+        pre_a, post_a, comb_a = self.hc_attn.mix(streams)
+        x = rms_norm(hc_collapse(streams, pre_in), self.attn_norm, eps)
+        streams = hc_expand(self.attn(x, state), streams, post_a, comb_a)
+        pre_f, post_f, comb_f = self.hc_ffn.mix(streams)
+        x = rms_norm(hc_collapse(streams, pre_a), self.ffn_norm, eps)
+        streams = hc_expand(self.ffn(x, input_ids), streams, post_f, comb_f)
+        return streams, pre_f
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """vLLM entry class; overrides vLLM's in-tree GPU-only V4.1 class."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        model_config = vllm_config.model_config
+        self.vllm_config = vllm_config
+        self.arch = arch = V41Arch.from_config(model_config.hf_config)
+        self.dtype = model_config.dtype
+        self.model_dir = Path(model_config.model)
+        self.yoco_mode, self.yoco_keep = envs.yoco_settings(arch.sliding_window)
+
+        main_rope = build_rope_cache(arch.rope_dim, arch.max_position_embeddings, arch.rope_theta, None)
+        comp_rope = build_rope_cache(
+            arch.rope_dim, arch.max_position_embeddings, arch.compress_rope_theta, arch.rope_scaling
+        )
+        self.cache_layers: dict[str, V41CacheLayer] = {}
+        self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(
+            DeepseekV41Block(
+                arch,
+                role,
+                main_rope if role.ratio == 0 else comp_rope,
+                f"layers.{role.layer_id}",
+                self.cache_layers,
+            )
+            for role in arch.roles
+        )
+        for block in self.layers:
+            role = block.role
+            if role.ratio > 0:
+                block.attn.bind_kv_source(self.layers[role.kv_source].attn)
+        self.norm = vector(arch.hidden_size)
+        self.head = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+
+        self.engram_tables: EngramTables | None = None
+        self.token_history: TokenHistory | None = None
+        if arch.engram_layer_ids:
+            self.token_history = TokenHistory(
+                "layers.0.token_history", arch.engram_max_ngram_size, self.cache_layers
+            )
+            self.engram_tables = EngramTables(arch, _engram_vocab_map(model_config, arch))
+
+        # Weights that load now and run in later work (vision tower, DSpark).
+        self.deferred = nn.Module()
+        self._deferred_names: dict[str, str] = {}
+
+        block_size = vllm_config.cache_config.block_size
+        layers = list(self.cache_layers.values())
+        page = harmonise_page_sizes(layers, block_size)
+        logger.info(
+            "DeepInfer V4.1 caches: %s bytes/token (block %d, page %d B)",
+            {k: round(v, 1) for k, v in bytes_per_token(layers, block_size).items()},
+            block_size,
+            page,
+        )
+
+    # --------------------------------------------------------------- forward
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[input_ids].to(self.dtype)
+
+    def _step_state(self) -> StepState:
+        attn_metadata = get_forward_context().attn_metadata
+        any_layer = next(iter(self.cache_layers))
+        state = StepState.from_metadata(attn_metadata, any_layer)
+        return state
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        arch = self.arch
+        attn_metadata = get_forward_context().attn_metadata
+        if not attn_metadata:
+            # Profiling / dummy run without caches: nothing to attend to.
+            return torch.zeros(positions.shape[0], arch.hidden_size, dtype=self.dtype)
+        state = self._step_state()
+        T = state.num_tokens
+        input_ids = input_ids[:T]
+        x = inputs_embeds[:T] if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        streams = x.unsqueeze(1).expand(T, arch.hc_mult, arch.hidden_size).contiguous()
+        pre = identity_pre(T, arch.hc_mult)
+        is_image = input_ids == arch.image_token_id
+        engram_inputs = None
+        if self.token_history is not None:
+            raw = self.token_history.record_and_read(input_ids, state, arch.engram_max_ngram_size)
+            history_image = raw == arch.image_token_id
+            ngram_ids = self.engram_tables.ngram_ids(raw, history_image)
+            engram_inputs = (ngram_ids, self.engram_tables, is_image)
+        for block in self.layers:
+            streams, pre = block(streams, pre, input_ids, state, engram_inputs)
+        h = rms_norm(hc_collapse(streams, pre), self.norm, arch.rms_norm_eps)
+        out = torch.zeros(positions.shape[0], arch.hidden_size, dtype=h.dtype)
+        out[:T] = h
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # The head is bf16 in the release; logits are an fp32 GEMM (DeepInfer).
+        return hidden_states.float() @ self.head.t()
+
+    # --------------------------------------------------------------- loading
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        arch = self.arch
+        found = checkpoint.read_safetensors_index(self.model_dir)
+        checkpoint.validate_checkpoint_index(arch, found)
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        loaded: set[str] = set()
+        for name, tensor in checkpoint.iter_dequantized(arch, weights, torch.float32):
+            target = self._target_name(name)
+            if target is None:
+                self._store_deferred(name, tensor)
+                continue
+            dest, index = target
+            holder = params.get(dest)
+            if holder is None:
+                holder = buffers[dest]
+            data = tensor if index is None else tensor
+            slot = holder.data if index is None else holder.data[index]
+            if slot.shape != data.shape:
+                raise checkpoint.CheckpointFormatError(
+                    f"tensor {name!r}: shape {tuple(data.shape)} does not fit {dest} {tuple(slot.shape)}"
+                )
+            slot.copy_(data.to(slot.dtype))
+            loaded.add(dest)
+        missing = set(params) - loaded
+        if missing:
+            raise checkpoint.CheckpointFormatError(f"parameters not loaded: {sorted(missing)[:8]}")
+        return set(params)
+
+    def _target_name(self, name: str) -> tuple[str, int | None] | None:
+        """Map a checkpoint name to ``(parameter, expert index)``; None = deferred."""
+        parts = name.split(".")
+        if parts[0] in ("embed", "head") and parts[1] == "weight":
+            return parts[0], None
+        if name == "norm.weight":
+            return "norm", None
+        if parts[0] != "layers":
+            return None
+        prefix = ".".join(parts[:2])
+        rest = ".".join(parts[2:])
+        for site in ("attn", "ffn"):
+            for field in ("fn", "base", "scale"):
+                if rest == f"hc_{site}_{field}":
+                    return f"{prefix}.hc_{site}.{field}", None
+        if rest in ("attn_norm.weight", "ffn_norm.weight"):
+            return f"{prefix}.{rest[:-7]}", None
+        if rest == "attn.attn_sink":
+            return f"{prefix}.attn.attn_sink", None
+        if rest.endswith("_norm.weight") or rest.endswith(".norm.weight"):
+            return f"{prefix}.{rest[:-7]}", None
+        if rest.startswith("ffn.experts."):
+            _, _, expert, proj, _ = rest.split(".")
+            return f"{prefix}.ffn.{proj}", int(expert)
+        if rest.startswith("ffn.gate."):
+            return f"{prefix}.{rest}", None
+        if rest == "engram.embed.weight":
+            return f"{prefix}.engram.embed_codes", None
+        if rest == "engram.embed.scale":
+            return f"{prefix}.engram.embed_scale", None
+        if rest in ("engram.q_weight", "engram.k_weight"):
+            return f"{prefix}.{rest}", None
+        if rest.endswith(".weight"):
+            return f"{prefix}.{rest[:-7]}", None
+        raise checkpoint.CheckpointFormatError(f"unexpected tensor {name!r}")
+
+    def _store_deferred(self, name: str, tensor: torch.Tensor) -> None:
+        key = name.replace(".", "__")
+        self.deferred.register_buffer(key, tensor, persistent=False)
+        self._deferred_names[name] = key
+
+
+def _engram_vocab_map(model_config, arch: V41Arch) -> torch.Tensor:
+    """Raw id -> compressed id from the checkpoint's tokenizer (spec §8.1)."""
+    from transformers import AutoTokenizer
+
+    from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_config.tokenizer, trust_remote_code=model_config.trust_remote_code
+    )
+    old2new, classes = compressed_vocab_from_tokenizer(tokenizer, arch.vocab_size)
+    if classes != arch.engram_compressed_vocab_size:
+        raise ValueError(
+            f"Engram: the tokenizer gives {classes} compressed ids but config.json "
+            f"says engram_compressed_vocab_size={arch.engram_compressed_vocab_size}; "
+            "the hash multipliers depend on it, so the checkpoint and tokenizer do not match."
+        )
+    return old2new

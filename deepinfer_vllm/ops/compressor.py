@@ -1,0 +1,83 @@
+"""KV compressor references (spec §6.5, design §1.6 "Compressor").
+
+Group ``j`` of ratio ``r`` covers positions ``r*j .. r*j + r - 1`` (non-overlapping, aligned to
+absolute positions, no positional bias). A latent exists only for complete groups. Latents are
+returned pre-RoPE; the caller rotates them at the group's first position ``r*j``.
+
+Rounding points:
+  * ratio 2: ``u = h.Wkv^T`` and ``g = h.Wgate^T`` in fp32 (fp32 upcast of both operands);
+    per-channel softmax over the pair and the weighted sum in fp32; the pooled vector is
+    rounded to the model dtype BEFORE the RMSNorm (DeepInfer's pooling kernel emits bf16 and
+    its norm reads that; NeMo/vLLM feed the fp32 pooled vector to the norm - we follow
+    DeepInfer); RMSNorm (fp32 inside) rounds to the model dtype.
+  * ratio 1: ``u = h.Wkv^T`` computed in fp32 and rounded to the activation dtype (the reference
+    projects in the activation dtype), then RMSNorm -> model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .norm import rms_norm
+
+__all__ = [
+    "compressor_project",
+    "pool_ratio2",
+    "compressor_finalize",
+    "compressor_latents",
+]
+
+
+def compressor_project(
+    h: torch.Tensor,
+    wkv: torch.Tensor,
+    wgate: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Raw per-token projections in fp32: ``u = h.wkv^T [T, 512]`` and ``g = h.wgate^T`` (or
+    ``None`` without a gate). These are the rows a serving path keeps in its ratio-2 ring so it
+    can pool a pair whose first token arrived in an earlier chunk."""
+    hf = h.float()
+    u = hf @ wkv.float().t()
+    g = None if wgate is None else hf @ wgate.float().t()
+    return u, g
+
+
+def pool_ratio2(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Pool consecutive row pairs ``(2j, 2j+1)``: per channel ``softmax over the pair of g`` weights
+    applied to ``u``. fp32 in, fp32 out ``[T // 2, D]``; a trailing odd row is ignored."""
+    n = u.shape[0] // 2
+    d = u.shape[-1]
+    uf = u[: 2 * n].float().reshape(n, 2, d)
+    gf = g[: 2 * n].float().reshape(n, 2, d)
+    alpha = torch.softmax(gf, dim=1)
+    return (alpha * uf).sum(dim=1)
+
+
+def compressor_finalize(v: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Round the pooled (ratio 2) or projected (ratio 1) vector to ``dtype``, then RMSNorm with
+    the compressor norm (fp32 inside, result in ``dtype``)."""
+    return rms_norm(v.to(dtype), norm_weight, eps)
+
+
+def compressor_latents(
+    h: torch.Tensor,
+    wkv: torch.Tensor,
+    wgate: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    ratio: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Latents ``[floor(T / ratio), 512]`` in ``dtype`` (default ``h.dtype``) for a sequence whose
+    first row is position 0 (``h`` = the normalised layer input, one row per position)."""
+    dtype = h.dtype if dtype is None else dtype
+    if ratio == 1:
+        u, _ = compressor_project(h, wkv, None)
+        return compressor_finalize(u.to(h.dtype), norm_weight, eps, dtype)
+    if ratio == 2:
+        if wgate is None:
+            raise ValueError("ratio-2 compressor needs wgate")
+        n = h.shape[0] // 2
+        u, g = compressor_project(h[: 2 * n], wkv, wgate)
+        return compressor_finalize(pool_ratio2(u, g), norm_weight, eps, dtype)
+    raise ValueError(f"unsupported compress ratio {ratio}")

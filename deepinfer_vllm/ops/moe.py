@@ -1,0 +1,143 @@
+"""Mixture-of-experts references (spec §7, design §1.8).
+
+Routing: fp32 logits, ``sqrt(softplus(logit))`` scores, selection on ``score + bias`` (the
+image-token bias ``bias_vl`` for image rows) with a stable descending sort (ties: lower expert
+index first), weights from the UNBIASED scores, renormalised and scaled.
+
+Experts: clamped SwiGLU ``w2 . (silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` on dequantised
+weights. Rounding points follow DeepInfer's expert pipeline (design §1.8):
+  1. gate/up GEMM outputs are rounded to the activation dtype;
+  2. SwiGLU runs in fp32 and, for routed experts, the routing weight is multiplied into the
+     fp32 activation BEFORE the down projection (DeepInfer fuses the weight into its SwiGLU
+     cast; vLLM's fused MoE applies it to the down-projection output instead). The product is
+     rounded to the activation dtype (DeepInfer casts to MXFP8 there; the plain reference keeps
+     the model dtype);
+  3. each expert's down-projection output is rounded to the activation dtype;
+  4. the routed outputs of a token and the shared expert output are summed in fp32 and the
+     sum is rounded once to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "stable_topk_indices",
+    "route_sqrtsoftplus",
+    "swiglu_clamped",
+    "expert_mlp",
+    "moe_forward",
+]
+
+
+def stable_topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries of each row, largest first; equal values keep
+    ascending index order (stable descending sort). int64 ``[..., k]``."""
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    return order[..., :k]
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # fp32 GEMM of the given (already dequantised) operands, rounded once to x.dtype.
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def route_sqrtsoftplus(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool = True,
+    bias_vl: torch.Tensor | None = None,
+    is_image: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score routing (spec §7.2). Returns ``(topk_weights fp32 [T, k], topk_ids int64 [T, k])``.
+
+    * logits ``x . gate_weight^T`` in fp32 (both operands upcast), scores ``sqrt(softplus)`` fp32;
+    * selection key ``score + bias`` (``bias_vl`` for rows with ``is_image`` when ``bias_vl`` is
+      given, else ``bias``); ``bias=None`` = 0;
+      ids are ordered by decreasing key, ties -> lower expert index;
+    * weights: unbiased scores of the chosen experts; with ``norm_topk_prob`` divided by their
+      sum (+1e-20, as the DeepSeek gate kernel does), then times ``routed_scaling_factor``.
+    """
+    logits = x.float() @ gate_weight.float().t()
+    scores = F.softplus(logits).sqrt()
+    E = scores.shape[-1]
+    if bias is None:
+        bias = torch.zeros(E, dtype=torch.float32, device=scores.device)
+    key_bias = bias.float().unsqueeze(0).expand_as(scores)
+    if is_image is not None and bias_vl is not None:
+        key_bias = torch.where(is_image.view(-1, 1).bool(), bias_vl.float().unsqueeze(0), key_bias)
+    # without bias_vl (checkpoint lacks it: no vision tower) every row uses ``bias``
+    ids = stable_topk_indices(scores + key_bias, top_k)
+    chosen = scores.gather(1, ids)
+    if norm_topk_prob:
+        chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
+    return chosen * routed_scaling_factor, ids
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` computed and RETURNED in fp32
+    (callers round where the pipeline rounds). ``limit=None`` disables the clamp."""
+    g = gate.float()
+    u = up.float()
+    if limit is not None:
+        g = torch.clamp(g, max=limit)
+        u = torch.clamp(u, min=-limit, max=limit)
+    return F.silu(g) * u
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float | None,
+    row_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One clamped SwiGLU expert on dequantised weights (``w1, w3 [N, K]``, ``w2 [K', N]``).
+
+    Rounding: gate/up GEMMs -> ``x.dtype``; SwiGLU in fp32, optionally times ``row_weight``
+    (fp32 ``[T]``, the routing weight); rounded to ``x.dtype``; down GEMM -> ``x.dtype``.
+    """
+    act = swiglu_clamped(_linear(x, w1), _linear(x, w3), limit)
+    if row_weight is not None:
+        act = act * row_weight.float().unsqueeze(-1)
+    return _linear(act.to(x.dtype), w2)
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float | None,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Routed experts (``w1, w3 [E, N, K]``, ``w2 [E, K', N]``) plus optional shared expert.
+
+    Rounding per the module docstring: per-expert outputs in ``x.dtype``, fp32 accumulation
+    over the token's experts and the shared expert, one final rounding to ``x.dtype``.
+    Ids outside ``[0, E)`` (e.g. -1) are skipped. Loops over the experts that got tokens.
+    """
+    T = x.shape[0]
+    E = w1.shape[0]
+    out_dim = w2.shape[1]
+    acc = torch.zeros(T, out_dim, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    flat_w = topk_weights.reshape(-1).float()
+    flat_rows = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
+    live = (flat_ids >= 0) & (flat_ids < E)
+    for e in torch.unique(flat_ids[live]).tolist():
+        sel = (flat_ids == e).nonzero(as_tuple=True)[0]
+        rows = flat_rows[sel]
+        y = expert_mlp(x[rows], w1[e], w3[e], w2[e], limit, row_weight=flat_w[sel])
+        acc.index_add_(0, rows, y.float())
+    if shared is not None:
+        s1, s3, s2 = shared
+        acc += expert_mlp(x, s1, s3, s2, limit).float()
+    return acc.to(x.dtype)

