@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .norm import rms_norm
+from .numerics import acc_dtype, gemm
 
 __all__ = [
     "compressor_project",
@@ -36,19 +37,19 @@ def compressor_project(
     """Raw per-token projections in fp32: ``u = h.wkv^T [T, 512]`` and ``g = h.wgate^T`` (or
     ``None`` without a gate). These are the rows a serving path keeps in its ratio-2 ring so it
     can pool a pair whose first token arrived in an earlier chunk."""
-    hf = h.float()
-    u = hf @ wkv.float().t()
-    g = None if wgate is None else hf @ wgate.float().t()
+    u = gemm(h, wkv, torch.float32)
+    g = None if wgate is None else gemm(h, wgate, torch.float32)
     return u, g
 
 
-def pool_ratio2(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def pool_ratio2(u: torch.Tensor, g: torch.Tensor, acc: torch.dtype = torch.float32) -> torch.Tensor:
     """Pool consecutive row pairs ``(2j, 2j+1)``: per channel ``softmax over the pair of g`` weights
-    applied to ``u``. fp32 in, fp32 out ``[T // 2, D]``; a trailing odd row is ignored."""
+    applied to ``u``. fp32 rows in; computed and returned in ``acc`` (``acc_dtype`` of the model
+    dtype) ``[T // 2, D]``; a trailing odd row is ignored."""
     n = u.shape[0] // 2
     d = u.shape[-1]
-    uf = u[: 2 * n].float().reshape(n, 2, d)
-    gf = g[: 2 * n].float().reshape(n, 2, d)
+    uf = u[: 2 * n].to(acc).reshape(n, 2, d)
+    gf = g[: 2 * n].to(acc).reshape(n, 2, d)
     alpha = torch.softmax(gf, dim=1)
     return (alpha * uf).sum(dim=1)
 
@@ -79,5 +80,5 @@ def compressor_latents(
             raise ValueError("ratio-2 compressor needs wgate")
         n = h.shape[0] // 2
         u, g = compressor_project(h[: 2 * n], wkv, wgate)
-        return compressor_finalize(pool_ratio2(u, g), norm_weight, eps, dtype)
+        return compressor_finalize(pool_ratio2(u, g, acc_dtype(dtype)), norm_weight, eps, dtype)
     raise ValueError(f"unsupported compress ratio {ratio}")

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from .numerics import acc_dtype
 
 __all__ = [
     "ENGRAM_DEAD",
@@ -403,13 +404,14 @@ def engram_gate_update(
     Image rows are returned unchanged (gate 0).
     """
     T, hc, D = streams.shape
-    x = streams.float()
-    kvf = kv.float().view(T, hc + 1, D)
+    acc = acc_dtype(streams.dtype)
+    x = streams.to(acc)
+    kvf = kv.to(acc).view(T, hc + 1, D)
     keys = kvf[:, :hc]
     value = kvf[:, hc]
     r_x = torch.rsqrt(x.square().mean(dim=-1) + eps)
     r_k = torch.rsqrt(keys.square().mean(dim=-1) + eps)
-    w = (q_weight.float() * k_weight.float()).unsqueeze(0)
+    w = (q_weight.to(acc) * k_weight.to(acc)).unsqueeze(0)
     dot = (x * w * keys).sum(dim=-1) * r_x * r_k * (D ** -0.5)
     gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp_min(clamp).sqrt())
     out = (x + gate.unsqueeze(-1) * value.unsqueeze(1)).to(streams.dtype)

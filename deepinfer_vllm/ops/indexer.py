@@ -8,6 +8,7 @@ descending sort, so equal scores resolve to the LOWER index.
 from __future__ import annotations
 
 import torch
+from .numerics import acc_dtype
 
 __all__ = [
     "visible_compressed",
@@ -45,13 +46,14 @@ def index_scores(
     Tq, H, Dk = q.shape
     N = keys.shape[0]
     out_dtype = q.dtype if out_dtype is None else out_dtype
-    kf = keys.float()
+    acc = acc_dtype(q.dtype)
+    kf = keys.to(acc)
     out = torch.empty(Tq, N, dtype=torch.float32, device=q.device)
     step = max(1, _CHUNK_ELEMS // max(1, H * N))
     for a in range(0, Tq, step):  # query chunks bound memory; each chunk is fully vectorised
         b = min(Tq, a + step)
-        logits = torch.einsum("thd,nd->thn", q[a:b].float(), kf).clamp_min_(0.0)
-        s = torch.einsum("thn,th->tn", logits, weights[a:b].float())
+        logits = torch.einsum("thd,nd->thn", q[a:b].to(acc), kf).clamp_min_(0.0)
+        s = torch.einsum("thn,th->tn", logits, weights[a:b].to(acc))
         out[a:b] = s.to(out_dtype).float()
     cols = torch.arange(N, device=q.device)
     hidden = cols.unsqueeze(0) >= visible.long().view(-1, 1)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .numerics import acc_dtype
+
 __all__ = [
     "hc_mix_logits",
     "hc_fn_broadcast",
@@ -34,10 +36,10 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> to
     the projection is an fp32 GEMM (the GPU reference uses TF32, which only changes rounding).
     """
     T = streams.shape[0]
-    x = streams.reshape(T, -1).float()
+    x = streams.reshape(T, -1).to(acc_dtype(streams.dtype))
     if fn.shape[-1] != x.shape[-1]:
         raise ValueError(f"fn width {fn.shape[-1]} != hc*D {x.shape[-1]}")
-    proj = x @ fn.float().t()
+    proj = x @ fn.to(x.dtype).t()
     rstd = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + rms_eps)
     return proj * rstd
 
@@ -54,9 +56,9 @@ def hc_fn_broadcast(fn: torch.Tensor, hc: int) -> torch.Tensor:
 
 def hc_mix_logits_broadcast(e: torch.Tensor, fn_broadcast: torch.Tensor, rms_eps: float) -> torch.Tensor:
     """Mix logits for ``hc`` identical copies of ``e [T, D]`` using the summed projection."""
-    ef = e.float()
+    ef = e.to(acc_dtype(e.dtype))
     rstd = torch.rsqrt(ef.square().mean(dim=-1, keepdim=True) + rms_eps)
-    return (ef @ fn_broadcast.float().t()) * rstd
+    return (ef @ fn_broadcast.to(ef.dtype).t()) * rstd
 
 
 def sinkhorn(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -68,7 +70,7 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """
     if iters < 1:
         raise ValueError("sinkhorn needs at least one iteration")
-    c = torch.softmax(c0.float(), dim=-1) + eps
+    c = torch.softmax(c0, dim=-1) + eps
     c = c / (c.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(dim=-1, keepdim=True) + eps)
@@ -90,8 +92,8 @@ def hc_split_mixes(
     pre = sigmoid(scale0*m + base) + hc_eps; post = post_mult * sigmoid(scale1*m + base);
     comb = sinkhorn(scale2*m + base) as ``[T, hc, hc]`` (row-major: [input j, output k]).
     """
-    scale = scale.float()
-    base = base.float()
+    scale = scale.to(m.dtype)
+    base = base.to(m.dtype)
     T = m.shape[0]
     z_pre = m[:, :hc] * scale[0] + base[:hc]
     z_post = m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc]
@@ -128,7 +130,8 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     fp32 products and sum, rounded once to ``streams.dtype`` (the following RMSNorm sees the
     rounded value). ``pre`` is used as given (not normalised).
     """
-    y = (streams.float() * pre.float().unsqueeze(-1)).sum(dim=1)
+    acc = acc_dtype(streams.dtype)
+    y = (streams.to(acc) * pre.to(acc).unsqueeze(-1)).sum(dim=1)
     return y.to(streams.dtype)
 
 
@@ -137,8 +140,9 @@ def hc_expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
 
     fp32 math (``y`` and ``streams`` upcast), rounded once to ``streams.dtype``.
     """
-    mixed = torch.einsum("tjk,tjd->tkd", comb.float(), streams.float())
-    out = post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed
+    acc = acc_dtype(streams.dtype)
+    mixed = torch.einsum("tjk,tjd->tkd", comb.to(acc), streams.to(acc))
+    out = post.to(acc).unsqueeze(-1) * y.to(acc).unsqueeze(1) + mixed
     return out.to(streams.dtype)
 
 

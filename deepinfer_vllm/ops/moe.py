@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .numerics import acc_dtype, gemm
+
 __all__ = [
     "stable_topk_indices",
     "route_sqrtsoftplus",
@@ -39,8 +41,8 @@ def stable_topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # fp32 GEMM of the given (already dequantised) operands, rounded once to x.dtype.
-    return (x.float() @ w.float().t()).to(x.dtype)
+    # GEMM of the given (already dequantised) operands, rounded once to x.dtype.
+    return gemm(x, w)
 
 
 def route_sqrtsoftplus(
@@ -62,14 +64,15 @@ def route_sqrtsoftplus(
     * weights: unbiased scores of the chosen experts; with ``norm_topk_prob`` divided by their
       sum (+1e-20, as the DeepSeek gate kernel does), then times ``routed_scaling_factor``.
     """
-    logits = x.float() @ gate_weight.float().t()
+    acc = acc_dtype(x.dtype)
+    logits = x.to(acc) @ gate_weight.to(acc).t()
     scores = F.softplus(logits).sqrt()
     E = scores.shape[-1]
     if bias is None:
-        bias = torch.zeros(E, dtype=torch.float32, device=scores.device)
-    key_bias = bias.float().unsqueeze(0).expand_as(scores)
+        bias = torch.zeros(E, dtype=acc, device=scores.device)
+    key_bias = bias.to(acc).unsqueeze(0).expand_as(scores)
     if is_image is not None and bias_vl is not None:
-        key_bias = torch.where(is_image.view(-1, 1).bool(), bias_vl.float().unsqueeze(0), key_bias)
+        key_bias = torch.where(is_image.view(-1, 1).bool(), bias_vl.to(acc).unsqueeze(0), key_bias)
     # without bias_vl (checkpoint lacks it: no vision tower) every row uses ``bias``
     ids = stable_topk_indices(scores + key_bias, top_k)
     chosen = scores.gather(1, ids)
@@ -81,8 +84,9 @@ def route_sqrtsoftplus(
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` computed and RETURNED in fp32
     (callers round where the pipeline rounds). ``limit=None`` disables the clamp."""
-    g = gate.float()
-    u = up.float()
+    acc = acc_dtype(gate.dtype)
+    g = gate.to(acc)
+    u = up.to(acc)
     if limit is not None:
         g = torch.clamp(g, max=limit)
         u = torch.clamp(u, min=-limit, max=limit)
@@ -104,7 +108,7 @@ def expert_mlp(
     """
     act = swiglu_clamped(_linear(x, w1), _linear(x, w3), limit)
     if row_weight is not None:
-        act = act * row_weight.float().unsqueeze(-1)
+        act = act * row_weight.to(act.dtype).unsqueeze(-1)
     return _linear(act.to(x.dtype), w2)
 
 
@@ -127,17 +131,17 @@ def moe_forward(
     T = x.shape[0]
     E = w1.shape[0]
     out_dim = w2.shape[1]
-    acc = torch.zeros(T, out_dim, dtype=torch.float32, device=x.device)
+    acc = torch.zeros(T, out_dim, dtype=acc_dtype(x.dtype), device=x.device)
     flat_ids = topk_ids.reshape(-1)
-    flat_w = topk_weights.reshape(-1).float()
+    flat_w = topk_weights.reshape(-1).to(acc.dtype)
     flat_rows = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
     live = (flat_ids >= 0) & (flat_ids < E)
     for e in torch.unique(flat_ids[live]).tolist():
         sel = (flat_ids == e).nonzero(as_tuple=True)[0]
         rows = flat_rows[sel]
         y = expert_mlp(x[rows], w1[e], w3[e], w2[e], limit, row_weight=flat_w[sel])
-        acc.index_add_(0, rows, y.float())
+        acc.index_add_(0, rows, y.to(acc.dtype))
     if shared is not None:
         s1, s3, s2 = shared
-        acc += expert_mlp(x, s1, s3, s2, limit).float()
+        acc += expert_mlp(x, s1, s3, s2, limit).to(acc.dtype)
     return acc.to(x.dtype)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .numerics import acc_dtype
+
 __all__ = ["rms_norm"]
 
 
@@ -14,9 +16,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     the product ``x * rstd * weight`` is formed in fp32 (``weight`` upcast; ``None``
     means no weight) and the result is rounded once to ``x.dtype``.
     """
-    xf = x.float()
+    xf = x.to(acc_dtype(x.dtype))
     rstd = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
     y = xf * rstd
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(xf.dtype)
     return y.to(x.dtype)

@@ -8,6 +8,7 @@ has no value vector).
 from __future__ import annotations
 
 import torch
+from .numerics import acc_dtype
 
 __all__ = ["sparse_attention", "window_indices"]
 
@@ -28,14 +29,15 @@ def sparse_attention(
     means no sink term (a row without valid keys then also returns zeros).
     """
     Tq, H, D = q.shape
-    qf = q.float()
-    kf = kv.float()
+    acc = acc_dtype(q.dtype)
+    qf = q.to(acc)
+    kf = kv.to(acc)
     logits = torch.einsum("thd,tkd->thk", qf, kf) * scale
     mask = valid.bool().view(Tq, 1, -1)
     logits = logits.masked_fill(~mask, float("-inf"))
     row_max = logits.amax(dim=-1, keepdim=True)  # -inf when no key is valid
     if sink is not None:
-        sink_f = sink.float().view(1, H, 1).expand(Tq, H, 1)
+        sink_f = sink.to(acc).view(1, H, 1).expand(Tq, H, 1)
         ref = torch.maximum(row_max, sink_f)
     else:
         ref = row_max

@@ -3,6 +3,8 @@ import math
 import pytest
 import torch
 
+from deepinfer_vllm.ops.numerics import acc_dtype
+
 from deepinfer_vllm.ops.mhc import (
     hc_collapse,
     hc_expand,
@@ -65,7 +67,7 @@ def test_hc_mix_matches_per_token_loop(dtype):
     g, fn, base, scale = _params(0)
     streams = torch.randn(3, HC, D, generator=g).to(dtype)
     pre, post, comb = hc_mix(streams, fn, base, scale, 1e-20, 1e-6, 20)
-    assert pre.dtype == post.dtype == comb.dtype == torch.float32
+    assert pre.dtype == post.dtype == comb.dtype == acc_dtype(dtype)
     assert pre.shape == (3, HC) and post.shape == (3, HC) and comb.shape == (3, HC, HC)
     rp, rq, rc = _naive_mix(streams, fn, base, scale, 1e-20, 1e-6, 20, 2.0)
     torch.testing.assert_close(pre.double(), rp, rtol=1e-5, atol=1e-6)

@@ -23,6 +23,7 @@ from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.compressor import pool_ratio2
 from deepinfer_vllm.ops.indexer import candidate_block_mask, index_scores, select_topk
 from deepinfer_vllm.ops.norm import rms_norm
+from deepinfer_vllm.ops.numerics import acc_dtype, gemm
 from deepinfer_vllm.ops.rope import apply_rope_tail
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
 
@@ -161,7 +162,8 @@ class V41Attention(nn.Module):
         o = self._rope(o, pos, inverse=True)
         group_in = o.reshape(T, a.o_groups, -1)
         wo_a = self.wo_a.view(a.o_groups, a.o_lora_rank, -1)
-        z = torch.einsum("tgi,goi->tgo", group_in.float(), wo_a.float()).to(dtype)
+        acc = acc_dtype(dtype)
+        z = torch.einsum("tgi,goi->tgo", group_in.to(acc), wo_a.to(acc)).to(dtype)
         return linear(z.reshape(T, -1), self.wo_b)
 
     def _window_lower_bound(self, state: StepState) -> torch.Tensor:
@@ -182,21 +184,31 @@ class V41Attention(nn.Module):
             lat = linear(x, comp.wkv)
             entry_req, entry = req, pos
         else:
-            u = x.float() @ comp.wkv.float().t()
-            g = x.float() @ comp.wgate.float().t()
+            u = gemm(x, comp.wkv, torch.float32)
+            g = gemm(x, comp.wgate, torch.float32)
+            rows = torch.cat([u, g], dim=-1)
             ring = RingView(self.ring_cache, state)
-            ring.write(req, pos, torch.cat([u, g], dim=-1))
             closes = (pos % 2) == 1
-            if not bool(closes.any()):
-                return
             entry_req = req[closes]
             second = pos[closes]
-            # The first token of the pair is in the ring (written this step or
-            # an earlier one); fp32 rows are stored exactly.
-            first_rows = ring.read(entry_req, second - 1)
+            # A pair's first token is in this step's rows, or (pair split
+            # across steps) in the ring, read before this step overwrites it.
+            row_of = torch.arange(pos.shape[0])[closes]
+            in_step = (second - 1) >= state.context_lens[entry_req]
+            first_rows = torch.where(
+                in_step.unsqueeze(1),
+                rows[(row_of - 1).clamp_min(0)],
+                ring.read(entry_req, second - 1),
+            )
+            # Keep only each request's last rows: ring slots are position
+            # modulo its capacity, so older rows of a long chunk would collide.
+            recent = pos >= state.seq_lens[req] - ring.capacity
+            ring.write(req[recent], pos[recent], rows[recent])
+            if not bool(closes.any()):
+                return
             pair_u = torch.stack([first_rows[:, : a.head_dim], u[closes]], dim=1)
             pair_g = torch.stack([first_rows[:, a.head_dim :], g[closes]], dim=1)
-            lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1)).to(x.dtype)
+            lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1), acc_dtype(x.dtype)).to(x.dtype)
             entry = second // 2
         lat = rms_norm(lat, comp.norm, a.rms_norm_eps)
         first_pos = entry * r

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_vllm.ops.numerics import gemm
+
 
 def dense(out_features: int, in_features: int) -> nn.Parameter:
     """An fp32 weight ``[out, in]`` filled by the loader."""
@@ -27,5 +29,5 @@ def stacked(*shape: int) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in fp32, rounded once to ``x.dtype``."""
-    return (x.float() @ weight.t()).to(x.dtype)
+    """``x @ weight.T`` accumulated in ``acc_dtype(x.dtype)``, rounded once to ``x.dtype``."""
+    return gemm(x, weight)

@@ -38,6 +38,7 @@ from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
 from deepinfer_vllm.model_executor.layers.weights import vector
 from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand, hc_mix, identity_pre
 from deepinfer_vllm.ops.norm import rms_norm
+from deepinfer_vllm.ops.numerics import acc_dtype, gemm
 from deepinfer_vllm.ops.rope import build_rope_cache
 
 logger = logging.getLogger(__name__)
@@ -208,8 +209,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # The head is bf16 in the release; logits are an fp32 GEMM (DeepInfer).
-        return hidden_states.float() @ self.head.t()
+        # The head is bf16 in the release; logits are fp32 (DeepInfer).
+        return gemm(hidden_states, self.head, torch.float32)
 
     # --------------------------------------------------------------- loading
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -236,6 +237,11 @@ class DeepseekV41ForCausalLM(nn.Module):
                 )
             slot.copy_(data.to(slot.dtype))
             loaded.add(dest)
+        # Hold weights in the accumulation dtype (values are exact either way).
+        acc = acc_dtype(self.dtype)
+        for param in params.values():
+            if param.is_floating_point():
+                param.data = param.data.to(acc)
         missing = set(params) - loaded
         if missing:
             raise checkpoint.CheckpointFormatError(f"parameters not loaded: {sorted(missing)[:8]}")

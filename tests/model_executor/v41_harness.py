@@ -1,0 +1,107 @@
+"""Drive the vLLM model class in-process, with caches paged the way vLLM pages them.
+
+No engine, no scheduler: the harness builds the model under a real
+``VllmConfig``, allocates every cache layer's ``[blocks, 1, states, bytes]``
+tensor from its own KV cache spec, hands out blocks per request and group,
+and builds the per-layer step metadata. Tests use it to compare the paged
+model against the full-sequence reference at any chunking, cheaply.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+
+from vllm.config import set_current_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.forward_context import set_forward_context
+
+from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
+from deepinfer_vllm.model_executor.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+
+@dataclass
+class _Request:
+    tokens: list[int] = field(default_factory=list)
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+
+
+class PagedHarness:
+    def __init__(self, model_dir: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 512):
+        import deepinfer_vllm
+
+        deepinfer_vllm.register()
+        args = EngineArgs(model=model_dir, dtype=dtype, max_model_len=1024, block_size=block_size)
+        self.cfg = args.create_engine_config()
+        with set_current_vllm_config(self.cfg):
+            self.model = DeepseekV41ForCausalLM(vllm_config=self.cfg)
+            self.model.load_weights(self._weights(model_dir))
+        self.block_size = self.cfg.cache_config.block_size
+        self.num_blocks = num_blocks
+        for layer in self.model.cache_layers.values():
+            spec = layer.get_kv_cache_spec(self.cfg)
+            cache = torch.zeros(num_blocks, 1, spec.num_states, spec.state_content_size_bytes, dtype=torch.uint8)
+            if spec.dtype != torch.uint8:
+                cache = cache.view(spec.dtype)
+            layer.bind_kv_cache(cache)
+        self._next_block = itertools.count(1)  # block 0 is vLLM's null block
+        self.requests: dict[str, _Request] = {}
+
+    @staticmethod
+    def _weights(model_dir: str):
+        with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+    def _blocks_for(self, req: _Request, name: str, length: int, ring: bool) -> list[int]:
+        blocks = req.blocks.setdefault(name, [])
+        needed = 1 if ring else -(-length // self.block_size)
+        while len(blocks) < needed:
+            blocks.append(next(self._next_block))
+            assert blocks[-1] < self.num_blocks, "harness ran out of blocks"
+        return blocks
+
+    def step(self, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """Run one step; ``chunks`` = [(request id, new token ids)]. Returns logits [T, V]."""
+        ids, positions, qsl, seq_lens, ctx_lens = [], [], [0], [], []
+        for rid, new in chunks:
+            req = self.requests.setdefault(rid, _Request())
+            start = len(req.tokens)
+            req.tokens.extend(new)
+            ids.extend(new)
+            positions.extend(range(start, start + len(new)))
+            qsl.append(qsl[-1] + len(new))
+            seq_lens.append(len(req.tokens))
+            ctx_lens.append(start)
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        token_req = torch.repeat_interleave(
+            torch.arange(len(chunks)), torch.tensor([len(c[1]) for c in chunks])
+        )
+        metadata = {}
+        for name, layer in self.model.cache_layers.items():
+            ring = layer.kind == "ring"
+            tables = [
+                self._blocks_for(self.requests[rid], name, len(self.requests[rid].tokens), ring)
+                for rid, _ in chunks
+            ]
+            width = max(len(t) for t in tables)
+            table = torch.zeros(len(chunks), width, dtype=torch.int64)
+            for i, t in enumerate(tables):
+                table[i, : len(t)] = torch.tensor(t)
+            metadata[name] = V41StepMetadata(
+                num_reqs=len(chunks),
+                num_actual_tokens=len(ids),
+                query_start_loc=torch.tensor(qsl),
+                seq_lens=torch.tensor(seq_lens),
+                context_lens=torch.tensor(ctx_lens),
+                positions=positions_t,
+                token_req=token_req,
+                block_table=table,
+                block_size=layer.get_kv_cache_spec(self.cfg).block_size,
+            )
+        with set_forward_context(metadata, self.cfg):
+            hidden = self.model(torch.tensor(ids), positions_t)
+        return self.model.compute_logits(hidden)
