@@ -64,6 +64,9 @@ class V41StepMetadata:
     token_req: torch.Tensor  # [num_actual_tokens] int64, request row of each token
     block_table: torch.Tensor  # [num_reqs, max_blocks] int64
     block_size: int  # tokens covered by one block of this group
+    # [num_reqs] prompt length of each request; filled by DeepInfer's runner
+    # (vLLM's common metadata does not carry it), None elsewhere.
+    prompt_lens: torch.Tensor | None = None
 
 
 class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 V41_ARCHITECTURES = ("DeepseekV41ForCausalLM",)
 V41_DEFAULT_BLOCK_SIZE = 64
 V41_BACKEND = "deepinfer_vllm.attention_backends.mla_swa.DeepInferV41Backend"
+V41_WORKER = "deepinfer_vllm.platforms.cpu_worker.DeepInferCPUWorker"
+STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker")
 
 
 def is_v41(model_config) -> bool:
@@ -49,6 +51,8 @@ class DeepInferCpuPlatform(CpuPlatform):
             return
         cache_config = vllm_config.cache_config
         scheduler_config = vllm_config.scheduler_config
+        parallel_config = vllm_config.parallel_config
+        worker_cls = parallel_config.worker_cls
         user_block_size = cache_config.block_size if cache_config.user_specified_block_size else None
         chunked = scheduler_config.enable_chunked_prefill
         prefix = cache_config.enable_prefix_caching
@@ -58,6 +62,8 @@ class DeepInferCpuPlatform(CpuPlatform):
         if block_size % 2:
             raise ValueError(f"V4.1 needs an even --block-size (ratio-2 caches); got {block_size}")
         cache_config.block_size = block_size
+        if worker_cls in STOCK_WORKERS:
+            parallel_config.worker_cls = V41_WORKER
         scheduler_config.enable_chunked_prefill = chunked
         cache_config.enable_prefix_caching = prefix
         scheduler_config.max_num_batched_tokens = max_batched

@@ -64,8 +64,11 @@ class PagedHarness:
             assert blocks[-1] < self.num_blocks, "harness ran out of blocks"
         return blocks
 
-    def step(self, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
-        """Run one step; ``chunks`` = [(request id, new token ids)]. Returns logits [T, V]."""
+    def step(self, chunks: list[tuple[str, list[int]]], prompt_lens: list[int] | None = None) -> torch.Tensor:
+        """Run one step; ``chunks`` = [(request id, new token ids)]. Returns logits [T, V].
+
+        ``prompt_lens`` (per chunk) is what DeepInfer's runner passes; default:
+        each request's length after this step."""
         ids, positions, qsl, seq_lens, ctx_lens = [], [], [0], [], []
         for rid, new in chunks:
             req = self.requests.setdefault(rid, _Request())
@@ -101,6 +104,7 @@ class PagedHarness:
                 token_req=token_req,
                 block_table=table,
                 block_size=layer.get_kv_cache_spec(self.cfg).block_size,
+                prompt_lens=torch.tensor(prompt_lens if prompt_lens is not None else seq_lens),
             )
         with set_forward_context(metadata, self.cfg):
             hidden = self.model(torch.tensor(ids), positions_t)

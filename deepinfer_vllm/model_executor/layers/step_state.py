@@ -49,6 +49,30 @@ class StepState:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    @property
+    def prompt_lens(self) -> torch.Tensor | None:
+        return next(iter(self.attn_metadata.values())).prompt_lens
+
+    def subset(self, rows: torch.Tensor) -> "StepState":
+        """The same step restricted to ``rows`` (compact prefill truncation).
+
+        Per-token state is sliced; per-request state (lengths, block tables,
+        candidate masks of later layers) is unchanged.
+        """
+        return StepState(
+            attn_metadata=self.attn_metadata,
+            positions=self.positions[rows],
+            token_req=self.token_req[rows],
+            seq_lens=self.seq_lens,
+            context_lens=self.context_lens,
+            num_reqs=self.num_reqs,
+            decoder_window_start=(
+                None if self.decoder_window_start is None else self.decoder_window_start[rows]
+            ),
+            topk={k: v[rows] for k, v in self.topk.items()},
+            candidates={},
+        )
+
 
 class PagedView:
     """Addresses one cache layer's records by (request row, entry index)."""

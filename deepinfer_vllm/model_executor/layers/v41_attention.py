@@ -129,7 +129,7 @@ class V41Attention(nn.Module):
         return apply_rope_tail(x, positions, self.rope_cache, inverse=inverse)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, state: StepState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: StepState, write_compressed: bool = True) -> torch.Tensor:
         a = self.arch
         T = x.shape[0]
         dtype = x.dtype
@@ -147,8 +147,8 @@ class V41Attention(nn.Module):
         write_mask = pos >= window_lo
         window.write(req[write_mask], pos[write_mask], kv[write_mask])
 
-        if self.role.is_kv_source:
-            self._write_compressed(x, state)
+        if self.role.is_kv_source and write_compressed:
+            self.write_compressed(x, state)
         topk = None
         if self.role.ratio > 0:
             if self.role.is_index_source:
@@ -173,7 +173,7 @@ class V41Attention(nn.Module):
         return torch.zeros_like(state.positions)
 
     # ------------------------------------------------------------- compressor
-    def _write_compressed(self, x: torch.Tensor, state: StepState) -> None:
+    def write_compressed(self, x: torch.Tensor, state: StepState) -> None:
         """Compressed KV + index key of every group completed in this step."""
         a = self.arch
         r = self.role.ratio

@@ -94,18 +94,26 @@ class DeepseekV41Block(nn.Module):
             idx = list(arch.engram_layer_ids).index(role.layer_id)
             self.engram = V41Engram(arch, role.layer_id, arch.engram_num_embeddings[idx])
 
-    def forward(self, streams, pre_in, input_ids, state: StepState, engram_inputs):
+    def forward(self, streams, pre_in, input_ids, state: StepState, engram_inputs, keep_rows=None):
+        """One block; with ``keep_rows`` (compact truncation boundary) the
+        compressor still sees every row, everything after it only those rows."""
         eps = self.arch.rms_norm_eps
         if self.engram is not None:
             ngram_ids, tables, is_image = engram_inputs
             streams = self.engram(streams, ngram_ids, tables, is_image)
         pre_a, post_a, comb_a = self.hc_attn.mix(streams)
         x = rms_norm(hc_collapse(streams, pre_in), self.attn_norm, eps)
-        streams = hc_expand(self.attn(x, state), streams, post_a, comb_a)
+        write_compressed = True
+        if keep_rows is not None:
+            self.attn.write_compressed(x, state)
+            write_compressed = False
+            streams, pre_a, post_a, comb_a = streams[keep_rows], pre_a[keep_rows], post_a[keep_rows], comb_a[keep_rows]
+            x, input_ids, state = x[keep_rows], input_ids[keep_rows], state.subset(keep_rows)
+        streams = hc_expand(self.attn(x, state, write_compressed), streams, post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn.mix(streams)
         x = rms_norm(hc_collapse(streams, pre_a), self.ffn_norm, eps)
         streams = hc_expand(self.ffn(x, input_ids), streams, post_f, comb_f)
-        return streams, pre_f
+        return streams, pre_f, input_ids, state
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -201,12 +209,46 @@ class DeepseekV41ForCausalLM(nn.Module):
             history_image = raw == arch.image_token_id
             ngram_ids = self.engram_tables.ngram_ids(raw, history_image)
             engram_inputs = (ngram_ids, self.engram_tables, is_image)
+        rows = torch.arange(T)
+        compact_rows = self._apply_yoco(state)
         for block in self.layers:
-            streams, pre = block(streams, pre, input_ids, state, engram_inputs)
+            keep = compact_rows if block.role.layer_id == arch.first_decoder_layer else None
+            streams, pre, input_ids, state = block(streams, pre, input_ids, state, engram_inputs, keep)
+            if keep is not None:
+                rows = rows[keep]
         h = rms_norm(hc_collapse(streams, pre), self.norm, arch.rms_norm_eps)
+        # Rows a compact prefill dropped are never sampled (their request's
+        # last row is always kept); they come out as zeros.
         out = torch.zeros(positions.shape[0], arch.hidden_size, dtype=h.dtype)
-        out[:T] = h
+        out[rows] = h
         return out
+
+    def _apply_yoco(self, state: StepState) -> torch.Tensor | None:
+        """DeepInfer's prefill truncation of the decoder half (design §3).
+
+        Decoder layers keep window KV only for the last ``keep`` prompt
+        positions and clip every window there; ``compact`` additionally
+        computes them only for those rows (plus each request's last row, so a
+        chunk before the kept rectangle still has a row to sample).
+        Returns the kept row indices for ``compact``, else None.
+        """
+        if self.yoco_mode == "off":
+            return None
+        prompt_lens = state.prompt_lens
+        if prompt_lens is None:
+            raise RuntimeError(
+                "prefill truncation needs prompt lengths in the step metadata; "
+                "run V4.1 with DeepInfer's CPU worker (selected by its platform)"
+            )
+        start = (prompt_lens - self.yoco_keep).clamp_min(0)
+        state.decoder_window_start = start[state.token_req]
+        if self.yoco_mode != "compact":
+            return None
+        keep = state.positions >= state.decoder_window_start
+        last_rows = (state.token_req[1:] != state.token_req[:-1]).nonzero(as_tuple=True)[0]
+        keep[last_rows] = True
+        keep[-1] = True
+        return keep.nonzero(as_tuple=True)[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # The head is bf16 in the release; logits are fp32 (DeepInfer).
