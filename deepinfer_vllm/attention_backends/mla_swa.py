@@ -33,22 +33,11 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import (
-    CircularBufferSpec,
-    KVCacheSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from deepinfer_vllm.attention_backends.paged_records import RecordFormat
+from deepinfer_vllm.attention_backends.cache_layout import CacheDecl
 
 BACKEND_NAME = "DEEPINFER_V41_MLA_SWA"
-
-# Rows kept per request in the ratio-2 compressor ring. A pair is pooled when
-# its second token arrives; the first may have come one step earlier, so two
-# rows suffice without speculation. Four keeps the ring a power of two and
-# leaves room for one rejected draft.
-COMPRESSOR_RING_ROWS = 4
 
 
 @dataclass
@@ -160,38 +149,26 @@ class DeepInferV41Backend(AttentionBackend):
 
 
 class V41CacheLayer(nn.Module, AttentionLayerBase):
-    """One paged cache of a V4.1 layer, registered with vLLM by name.
+    """One paged cache of a V4.1 model (see ``cache_layout``), registered with vLLM.
 
-    ``kind`` is ``window`` | ``compressed`` | ``index`` | ``ring`` | ``tokens``
-    (the raw token ids of the last few positions, Engram's n-gram history). The page
-    size of every V4.1 cache is padded to ``page_bytes`` (the largest page of
-    the model) because vLLM's hybrid allocator shares one block pool between
-    all groups and needs one physical page size.
+    Every V4.1 page is padded to ``page_bytes`` (the model's largest page):
+    vLLM's hybrid allocator shares one block pool between all groups and needs
+    one physical page size.
     """
 
-    def __init__(
-        self,
-        prefix: str,
-        kind: str,
-        record: RecordFormat | None,
-        ratio: int = 1,
-        sliding_window: int | None = None,
-        ring_row_floats: int = 0,
-    ):
+    def __init__(self, decl: CacheDecl):
         super().__init__()
-        self.prefix = prefix
-        self.kind = kind
-        self.record = record
-        self.ratio = ratio
-        self.sliding_window = sliding_window
-        self.ring_row_floats = ring_row_floats
+        self.decl = decl
+        self.prefix = decl.name
+        self.kind = decl.kind
+        self.record = decl.record
+        self.ratio = decl.ratio
         self.page_bytes: int | None = None
         self.kv_cache = torch.tensor([])
-        vllm_config = get_current_vllm_config()
-        ctx = vllm_config.compilation_config.static_forward_context
-        if prefix in ctx:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        ctx[prefix] = self
+        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if self.prefix in ctx:
+            raise ValueError(f"Duplicate layer name: {self.prefix}")
+        ctx[self.prefix] = self
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return DeepInferV41Backend
@@ -199,64 +176,14 @@ class V41CacheLayer(nn.Module, AttentionLayerBase):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
 
-    def unpadded_spec(self, block_size: int) -> KVCacheSpec:
-        return self._spec(block_size, None)
-
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         assert self.page_bytes is not None, "page size not set by the model"
-        return self._spec(vllm_config.cache_config.block_size, self.page_bytes)
-
-    def _spec(self, block_size: int, padded: int | None) -> KVCacheSpec:
-        if self.kind == "ring":
-            return CircularBufferSpec(
-                block_size=COMPRESSOR_RING_ROWS,
-                num_kv_heads=1,
-                head_size=self.ring_row_floats,
-                head_size_v=0,
-                dtype=torch.float32,
-                page_size_padded=padded,
-            )
-        if self.kind == "tokens":
-            assert self.sliding_window is not None
-            return SlidingWindowSpec(
-                block_size=block_size,
-                num_kv_heads=1,
-                head_size=1,
-                head_size_v=0,
-                dtype=torch.int32,
-                sliding_window=self.sliding_window,
-                page_size_padded=padded,
-            )
-        assert self.record is not None
-        common = dict(
-            block_size=block_size,
-            num_kv_heads=1,
-            head_size=self.record.dim,
-            head_size_v=0,
-            dtype=torch.uint8,
-            state_content_bytes=self.record.record_bytes,
-            page_size_padded=padded,
-        )
-        if self.kind == "window":
-            assert self.sliding_window is not None
-            return SlidingWindowSpec(sliding_window=self.sliding_window, **common)
-        return MLAAttentionSpec(tokens_per_state=self.ratio, **common)
+        return self.decl.spec(vllm_config.cache_config.block_size, self.page_bytes)
 
 
 def harmonise_page_sizes(layers: list[V41CacheLayer], block_size: int) -> int:
     """Pad every cache page of the model to the largest one; returns it."""
-    page = max(layer.unpadded_spec(block_size).page_size_bytes for layer in layers)
+    page = max(layer.decl.spec(block_size).page_size_bytes for layer in layers)
     for layer in layers:
         layer.page_bytes = page
     return page
-
-
-def bytes_per_token(layers: list[V41CacheLayer], block_size: int) -> dict[str, float]:
-    """Unpadded cache bytes per token by kind (ring excluded: per request)."""
-    totals: dict[str, float] = {}
-    for layer in layers:
-        if layer.kind == "ring":
-            continue
-        spec = layer.unpadded_spec(block_size)
-        totals[layer.kind] = totals.get(layer.kind, 0.0) + spec.page_size_bytes / block_size
-    return totals

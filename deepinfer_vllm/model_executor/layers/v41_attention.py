@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
-from deepinfer_vllm.attention_backends.paged_records import RecordFormat
+from deepinfer_vllm.attention_backends.cache_layout import layer_caches
 from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
 from deepinfer_vllm.model_executor.layers.weights import dense, linear, vector
@@ -26,10 +26,6 @@ from deepinfer_vllm.ops.norm import rms_norm
 from deepinfer_vllm.ops.numerics import acc_dtype, gemm
 from deepinfer_vllm.ops.rope import apply_rope_tail
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
-
-WINDOW_FORMAT = "mxfp8"
-COMPRESSED_FORMAT = "nvfp4"
-INDEX_FORMAT = "mxfp4"
 
 
 class Compressor(nn.Module):
@@ -82,37 +78,14 @@ class V41Attention(nn.Module):
         self.indexer = Indexer(a, role.is_kv_source) if role.is_index_source else None
 
         # Caches: this layer's own window; KV sources own the compressed and
-        # index caches (others read their source's through ``cache_layers``).
-        self.window_cache = V41CacheLayer(
-            f"{prefix}.window_cache",
-            "window",
-            RecordFormat(WINDOW_FORMAT, a.head_dim),
-            sliding_window=a.sliding_window,
-        )
-        cache_layers[self.window_cache.prefix] = self.window_cache
+        # index caches (+ the ratio-2 ring); other layers read their source's.
         self.compressed_cache: V41CacheLayer | None = None
         self.index_cache: V41CacheLayer | None = None
         self.ring_cache: V41CacheLayer | None = None
-        if role.is_kv_source:
-            self.compressed_cache = V41CacheLayer(
-                f"{prefix}.compressed_cache",
-                "compressed",
-                RecordFormat(COMPRESSED_FORMAT, a.head_dim),
-                ratio=role.ratio,
-            )
-            self.index_cache = V41CacheLayer(
-                f"{prefix}.index_cache",
-                "index",
-                RecordFormat(INDEX_FORMAT, a.index_head_dim),
-                ratio=role.ratio,
-            )
-            cache_layers[self.compressed_cache.prefix] = self.compressed_cache
-            cache_layers[self.index_cache.prefix] = self.index_cache
-            if role.ratio == 2:
-                self.ring_cache = V41CacheLayer(
-                    f"{prefix}.ring_cache", "ring", None, ring_row_floats=2 * a.head_dim
-                )
-                cache_layers[self.ring_cache.prefix] = self.ring_cache
+        for decl in layer_caches(arch, role):
+            layer = V41CacheLayer(decl)
+            cache_layers[decl.name] = layer
+            setattr(self, f"{decl.kind}_cache", layer)
         # The KV source's attention (possibly this layer), bound by the model
         # after construction; kept out of the module tree (it is not a child).
         self._kv_source: list[V41Attention] = []
@@ -274,6 +247,9 @@ class V41Attention(nn.Module):
         valid = key_pos >= window_lo.unsqueeze(1)
         safe_pos = torch.where(valid, key_pos, pos.unsqueeze(1))
         keys = window.read(req.unsqueeze(1).expand_as(safe_pos), safe_pos, dtype)
+        # Slots that were never written may hold any bytes (even NaN codes);
+        # a masked key must contribute exactly nothing.
+        keys = keys.masked_fill(~valid.unsqueeze(-1), 0.0)
         if topk is None:
             return keys, valid
         source = self.kv_source
@@ -282,4 +258,5 @@ class V41Attention(nn.Module):
         comp = PagedView(source.compressed_cache, state).read(
             req.unsqueeze(1).expand_as(safe_entry), safe_entry, dtype
         )
+        comp = comp.masked_fill(~comp_valid.unsqueeze(-1), 0.0)
         return torch.cat([keys, comp], dim=1), torch.cat([valid, comp_valid], dim=1)

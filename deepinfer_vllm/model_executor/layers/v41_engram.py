@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_vllm.attention_backends.cache_layout import CacheDecl
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs.deepseek_v41 import V41Arch
 from deepinfer_vllm.model_executor.layers.step_state import StepState
@@ -48,11 +49,10 @@ class EngramTables:
 class TokenHistory(nn.Module):
     """Raw token ids of the last positions, paged by vLLM (Engram look-back)."""
 
-    def __init__(self, prefix: str, window: int, cache_layers: dict[str, V41CacheLayer]):
+    def __init__(self, decl: CacheDecl, cache_layers: dict[str, V41CacheLayer]):
         super().__init__()
-        self.window = window
-        self.cache = V41CacheLayer(prefix, "tokens", None, sliding_window=window)
-        cache_layers[prefix] = self.cache
+        self.cache = V41CacheLayer(decl)
+        cache_layers[decl.name] = self.cache
 
     def _slots(self, state: StepState, pos: torch.Tensor, req: torch.Tensor):
         meta = state.attn_metadata[self.cache.prefix]

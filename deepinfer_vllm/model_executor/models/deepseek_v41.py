@@ -24,11 +24,8 @@ from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
 from deepinfer_vllm import envs
-from deepinfer_vllm.attention_backends.mla_swa import (
-    V41CacheLayer,
-    bytes_per_token,
-    harmonise_page_sizes,
-)
+from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches
+from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer, harmonise_page_sizes
 from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
 from deepinfer_vllm.model_executor import checkpoint
 from deepinfer_vllm.model_executor.layers.step_state import StepState
@@ -154,9 +151,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.engram_tables: EngramTables | None = None
         self.token_history: TokenHistory | None = None
         if arch.engram_layer_ids:
-            self.token_history = TokenHistory(
-                "layers.0.token_history", arch.engram_max_ngram_size, self.cache_layers
-            )
+            history = next(d for d in model_caches(arch) if d.kind == "tokens")
+            self.token_history = TokenHistory(history, self.cache_layers)
             self.engram_tables = EngramTables(arch, _engram_vocab_map(model_config, arch))
 
         # Weights that load now and run in later work (vision tower, DSpark).
@@ -168,7 +164,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         page = harmonise_page_sizes(layers, block_size)
         logger.info(
             "DeepInfer V4.1 caches: %s bytes/token (block %d, page %d B)",
-            {k: round(v, 1) for k, v in bytes_per_token(layers, block_size).items()},
+            {k: round(v, 1) for k, v in bytes_per_token([c.decl for c in layers], block_size).items()},
             block_size,
             page,
         )

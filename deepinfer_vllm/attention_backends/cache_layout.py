@@ -1,0 +1,120 @@
+"""Which paged caches a V4.1 model keeps, and the vLLM KV cache spec of each.
+
+One declaration per cache, derived from the layer roles alone, so the model
+builds its cache layers from it and tools can size the caches of any config
+(e.g. the real Flash one) without building the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_vllm.attention_backends.paged_records import RecordFormat
+from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
+
+WINDOW_FORMAT = "mxfp8"
+COMPRESSED_FORMAT = "nvfp4"
+INDEX_FORMAT = "mxfp4"
+
+# Rows kept per request in the ratio-2 compressor ring. A pair is pooled when
+# its second token arrives; the first may have come one step earlier, so two
+# rows suffice without speculation; four leave room for a rejected draft.
+COMPRESSOR_RING_ROWS = 4
+
+TOKEN_HISTORY = "layers.0.token_history"
+
+
+@dataclass(frozen=True)
+class CacheDecl:
+    """One paged cache: ``kind`` is window | compressed | index | ring | tokens."""
+
+    name: str
+    kind: str
+    record: RecordFormat | None = None
+    ratio: int = 1
+    sliding_window: int | None = None
+    ring_row_floats: int = 0
+
+    def spec(self, block_size: int, page_size_padded: int | None = None):
+        """The vLLM ``KVCacheSpec`` of this cache (pages optionally padded)."""
+        from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec, SlidingWindowSpec
+
+        if self.kind == "ring":
+            return CircularBufferSpec(
+                block_size=COMPRESSOR_RING_ROWS,
+                num_kv_heads=1,
+                head_size=self.ring_row_floats,
+                head_size_v=0,
+                dtype=torch.float32,
+                page_size_padded=page_size_padded,
+            )
+        if self.kind == "tokens":
+            return SlidingWindowSpec(
+                block_size=block_size,
+                num_kv_heads=1,
+                head_size=1,
+                head_size_v=0,
+                dtype=torch.int32,
+                sliding_window=self.sliding_window,
+                page_size_padded=page_size_padded,
+            )
+        common = dict(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=self.record.dim,
+            head_size_v=0,
+            dtype=torch.uint8,
+            state_content_bytes=self.record.record_bytes,
+            page_size_padded=page_size_padded,
+        )
+        if self.kind == "window":
+            return SlidingWindowSpec(sliding_window=self.sliding_window, **common)
+        return MLAAttentionSpec(tokens_per_state=self.ratio, **common)
+
+
+def layer_caches(arch: V41Arch, role: LayerRole) -> list[CacheDecl]:
+    """Caches owned by one backbone layer (KV sources own compressed + index)."""
+    prefix = f"layers.{role.layer_id}.attn"
+    decls = [
+        CacheDecl(
+            f"{prefix}.window_cache",
+            "window",
+            RecordFormat(WINDOW_FORMAT, arch.head_dim),
+            sliding_window=arch.sliding_window,
+        )
+    ]
+    if role.is_kv_source:
+        decls.append(
+            CacheDecl(f"{prefix}.compressed_cache", "compressed", RecordFormat(COMPRESSED_FORMAT, arch.head_dim), role.ratio)
+        )
+        decls.append(
+            CacheDecl(f"{prefix}.index_cache", "index", RecordFormat(INDEX_FORMAT, arch.index_head_dim), role.ratio)
+        )
+        if role.ratio == 2:
+            decls.append(CacheDecl(f"{prefix}.ring_cache", "ring", ring_row_floats=2 * arch.head_dim))
+    return decls
+
+
+def model_caches(arch: V41Arch) -> list[CacheDecl]:
+    decls = [d for role in arch.roles for d in layer_caches(arch, role)]
+    if arch.engram_layer_ids:
+        decls.append(CacheDecl(TOKEN_HISTORY, "tokens", sliding_window=arch.engram_max_ngram_size))
+    return decls
+
+
+def bytes_per_token(decls: list[CacheDecl], block_size: int = 64) -> dict[str, float]:
+    """Unpadded bytes per token by kind, from the specs (the ring is per request).
+
+    ``global`` = compressed KV + index keys, the part that grows with context
+    (spec §10.2: 890 B/token for Flash); ``window`` is bounded by the window.
+    """
+    totals: dict[str, float] = {}
+    for decl in decls:
+        if decl.kind == "ring":
+            continue
+        page = decl.spec(block_size).page_size_bytes
+        totals[decl.kind] = totals.get(decl.kind, 0.0) + page / block_size
+    totals["global"] = totals.get("compressed", 0.0) + totals.get("index", 0.0)
+    return totals
