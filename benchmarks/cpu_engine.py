@@ -207,7 +207,11 @@ def run_model(model_dir: str, args: dict, log_path: str, result_path: str) -> No
             seed=SEED,
         )
         result["load_s"] = time.perf_counter() - t0
-        engine_procs = psutil.Process().children(recursive=True)
+        # vLLM's engine-core and worker processes (not multiprocessing's resource tracker).
+        engine_procs = [
+            p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())
+        ]
         result["engine_pids"] = [p.pid for p in engine_procs]
 
         rng = random.Random(SEED)

@@ -105,3 +105,14 @@ def test_malformed_checkpoint_names_the_tensor(tiny_checkpoint, tmp_path):
         PagedHarness(str(bad), dtype="float32")
     assert "layers.3.attn.indexer.wk.weight" in str(err.value)
     assert "layers.0.attn.wq_a.scale" in str(err.value)
+
+
+def test_bf16_whole_prefill_equals_reference(tiny_checkpoint):
+    """bf16 (the default dtype): same rows in one call give the reference's bits; this
+    also guards against parameters built under vLLM's bf16 default dtype."""
+    from deepinfer_vllm.reference.model import ReferenceV41
+
+    harness = PagedHarness(tiny_checkpoint, dtype="bfloat16")
+    ref = ReferenceV41.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16, num_threads=1)
+    prompt = _prompt(48, 7)
+    assert torch.equal(harness.step([("bf16", prompt)]), ref.forward(prompt))

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from vllm.config import set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.forward_context import set_forward_context
+from vllm.utils.torch_utils import set_default_torch_dtype
 
 from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
 from deepinfer_vllm.model_executor.models.deepseek_v41 import DeepseekV41ForCausalLM
@@ -36,7 +37,8 @@ class PagedHarness:
         deepinfer_vllm.register()
         args = EngineArgs(model=model_dir, dtype=dtype, max_model_len=1024, block_size=block_size)
         self.cfg = args.create_engine_config()
-        with set_current_vllm_config(self.cfg):
+        # As vLLM's loader does: the model dtype is torch's default while building.
+        with set_current_vllm_config(self.cfg), set_default_torch_dtype(self.cfg.model_config.dtype):
             self.model = DeepseekV41ForCausalLM(vllm_config=self.cfg)
             self.model.load_weights(self._weights(model_dir))
         self.block_size = self.cfg.cache_config.block_size

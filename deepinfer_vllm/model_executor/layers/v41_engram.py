@@ -89,8 +89,8 @@ class V41Engram(nn.Module):
             "embed_scale", torch.empty(num_rows, dim // 32, dtype=torch.uint8), persistent=False
         )
         self.wkv = dense((arch.hc_mult + 1) * arch.hidden_size, n_cols * dim)
-        self.q_weight = nn.Parameter(torch.empty(arch.hc_mult, arch.hidden_size), requires_grad=False)
-        self.k_weight = nn.Parameter(torch.empty(arch.hc_mult, arch.hidden_size), requires_grad=False)
+        self.q_weight = dense(arch.hc_mult, arch.hidden_size)
+        self.k_weight = dense(arch.hc_mult, arch.hidden_size)
 
     def forward(
         self,

@@ -1,5 +1,9 @@
 """Parameter holders and the one GEMM convention of the CPU path.
 
+Every holder names its dtype: vLLM builds models under the model dtype as
+torch's default dtype, which would silently round fp32 checkpoint tensors
+(mHC projections, sinks) to bf16.
+
 Checkpoint weights are FP8/FP4; they are dequantised once at load time. The
 values are exact in bf16 (e4m3 and e2m1 codes times a power of two), and the
 CPU path keeps them in fp32 so every GEMM is an fp32 GEMM whose result is

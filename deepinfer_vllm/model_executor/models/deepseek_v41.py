@@ -32,7 +32,7 @@ from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 from deepinfer_vllm.model_executor.layers.v41_engram import EngramTables, TokenHistory, V41Engram
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
-from deepinfer_vllm.model_executor.layers.weights import vector
+from deepinfer_vllm.model_executor.layers.weights import dense, vector
 from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand, hc_mix, identity_pre
 from deepinfer_vllm.ops.norm import rms_norm
 from deepinfer_vllm.ops.numerics import acc_dtype, gemm
@@ -47,7 +47,7 @@ class HyperConnection(nn.Module):
     def __init__(self, arch: V41Arch):
         super().__init__()
         hc = arch.hc_mult
-        self.fn = nn.Parameter(torch.empty(hc * (hc + 2), hc * arch.hidden_size), requires_grad=False)
+        self.fn = dense(hc * (hc + 2), hc * arch.hidden_size)
         self.base = vector(hc * (hc + 2))
         self.scale = vector(3)
         self.arch = arch
@@ -130,7 +130,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             arch.rope_dim, arch.max_position_embeddings, arch.compress_rope_theta, arch.rope_scaling
         )
         self.cache_layers: dict[str, V41CacheLayer] = {}
-        self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.embed = dense(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekV41Block(
                 arch,
@@ -146,7 +146,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if role.ratio > 0:
                 block.attn.bind_kv_source(self.layers[role.kv_source].attn)
         self.norm = vector(arch.hidden_size)
-        self.head = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.head = dense(arch.vocab_size, arch.hidden_size)
 
         self.engram_tables: EngramTables | None = None
         self.token_history: TokenHistory | None = None
