@@ -180,8 +180,8 @@ def _show_plugin_logs(work_dir: Path) -> None:
         path = work_dir / "vllm_logging.json"
         path.write_text(json.dumps(config))
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
-    except Exception:  # optional: the benchmark runs without it
-        traceback.print_exc()
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError, OSError):
+        traceback.print_exc()  # optional: the benchmark runs without the plugin's logs
 
 
 def run_model(model_dir: str, args: dict, log_path: str, result_path: str) -> None:
@@ -209,7 +209,8 @@ def run_model(model_dir: str, args: dict, log_path: str, result_path: str) -> No
         result["load_s"] = time.perf_counter() - t0
         # vLLM's engine-core and worker processes (not multiprocessing's resource tracker).
         engine_procs = [
-            p for p in psutil.Process().children(recursive=True)
+            p
+            for p in psutil.Process().children(recursive=True)
             if "resource_tracker" not in " ".join(p.cmdline())
         ]
         result["engine_pids"] = [p.pid for p in engine_procs]
@@ -226,6 +227,7 @@ def run_model(model_dir: str, args: dict, log_path: str, result_path: str) -> No
         result["warmup_s"] = time.perf_counter() - t0
 
         # Timed runs, each on fresh prompts; the table shows the median run.
+        result["loadavg_before"] = os.getloadavg()[0]
         for phase, length, params in (
             ("prefill", plen, prefill_params),
             ("decode", DECODE_PROMPT_LEN, decode_params),
@@ -238,12 +240,14 @@ def run_model(model_dir: str, args: dict, log_path: str, result_path: str) -> No
             runs.sort(key=lambda r: r["tok_s"])
             result[phase] = {**runs[len(runs) // 2], "all_tok_s": [r["tok_s"] for r in runs]}
 
+        result["loadavg_after"] = os.getloadavg()[0]
+
         # Tear-down: the engine-core process must exit once the LLM is collected.
         del llm
         gc.collect()
         _, alive = psutil.wait_procs(engine_procs, timeout=30)
         result["teardown_leftover"] = [p.pid for p in alive]
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (any failure goes back to the parent)
         result["error"] = traceback.format_exc()
     Path(result_path).write_text(json.dumps(result))
     sys.stdout.flush()
@@ -269,7 +273,9 @@ def measure(name: str, model_dir: Path, args: argparse.Namespace, work: Path) ->
     log_path, result_path = work / f"{name}.log", work / f"{name}.result.json"
     log_path.write_bytes(b"")
     result_path.unlink(missing_ok=True)
-    child_args = {k: getattr(args, k) for k in ("dtype", "num_prompts", "prefill_len", "decode_tokens", "repeats")}
+    child_args = {
+        k: getattr(args, k) for k in ("dtype", "num_prompts", "prefill_len", "decode_tokens", "repeats")
+    }
     proc = ctx.Process(target=run_model, args=(str(model_dir), child_args, str(log_path), str(result_path)))
     proc.start()
     pos = 0
@@ -289,7 +295,11 @@ def measure(name: str, model_dir: Path, args: argparse.Namespace, work: Path) ->
     log = log_path.read_text(errors="replace")
     match = KV_LOG.search(log)
     if match:
-        result["kv_log"] = {"bytes_per_token": match.group(1), "block": match.group(2), "page": match.group(3)}
+        result["kv_log"] = {
+            "bytes_per_token": match.group(1),
+            "block": match.group(2),
+            "page": match.group(3),
+        }
     match = KV_TOKENS_LOG.search(log)
     if match:
         result["kv_tokens"] = int(match.group(1).replace(",", ""))
@@ -311,21 +321,27 @@ def _cpu_model() -> str:
 
 
 def _tree_state() -> str:
-    """Commit of the plugin's checkout and whether tracked files differ from it (read-only git)."""
+    """Commit of the checkout and the uncommitted changes under ``deepinfer_vllm/`` (read-only git)."""
+    import subprocess
+
     root = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(root), *argv],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+
     try:
-        import subprocess
-
-        def git(*argv: str) -> str:
-            return subprocess.run(
-                ["git", "--no-optional-locks", "-C", str(root), *argv],
-                capture_output=True, text=True, check=True, timeout=30,
-            ).stdout.strip()
-
         commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return commit + (f" + {len(dirty.splitlines())} modified files" if dirty else "")
-    except Exception:
+        dirty = git("status", "--porcelain", "--", "deepinfer_vllm")
+        return commit + (
+            f" + {len(dirty.splitlines())} uncommitted files in deepinfer_vllm/" if dirty else ""
+        )
+    except (OSError, subprocess.SubprocessError):
         return "(no git)"
 
 
@@ -333,7 +349,7 @@ def _m(n: int) -> str:
     return f"{n / 1e6:.1f} M"
 
 
-def report(args: argparse.Namespace, rows: list[tuple[str, dict, dict]], llama: dict) -> str:
+def report(args: argparse.Namespace, rows: list[tuple[str, dict, dict]], llama: dict, tree: str) -> str:
     import torch
     import transformers
     import vllm
@@ -344,7 +360,7 @@ def report(args: argparse.Namespace, rows: list[tuple[str, dict, dict]], llama: 
         f"CPU engine benchmark, {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}: "
         f"{os.cpu_count()} cores ({_cpu_model()}), vLLM worker on cores {v41.get('worker_cores', '?')}, "
         f"torch {torch.__version__}, vLLM {vllm.__version__}, transformers {transformers.__version__}, "
-        f"Python {platform.python_version()}, deepinfer-vllm {_tree_state()}"
+        f"Python {platform.python_version()}, deepinfer-vllm {tree}"
     )
     out.append(
         f"dtype {args.dtype}, max_model_len {MAX_MODEL_LEN}, enforce_eager, seed {SEED}, "
@@ -370,9 +386,12 @@ def report(args: argparse.Namespace, rows: list[tuple[str, dict, dict]], llama: 
         extra = ""
         if params["total"] != params["run"]:
             extra = f"; checkpoint {_m(params['total'])} incl. DSpark/vision, loaded but not run"
-        teardown = "engine core gone after del llm" if not res["teardown_leftover"] else (
-            f"engine core still alive after del llm: {res['teardown_leftover']}"
-        )
+        if res["teardown_leftover"]:
+            teardown = f"engine processes still alive after del llm: {res['teardown_leftover']}"
+        else:
+            teardown = f"engine processes ({len(res['engine_pids'])}) gone after del llm"
+        if res["leftover_after_exit"]:
+            teardown += f", alive after the child exited: {res['leftover_after_exit']}"
         spread = {
             phase: "/".join(f"{v:.0f}" for v in res[phase]["all_tok_s"]) for phase in ("prefill", "decode")
         }
@@ -381,7 +400,8 @@ def report(args: argparse.Namespace, rows: list[tuple[str, dict, dict]], llama: 
             f"prefill {res['prefill']['tokens']} tok in {res['prefill']['s']:.3f} s "
             f"(runs {spread['prefill']} tok/s), "
             f"decode {res['decode']['tokens']} tok in {res['decode']['s']:.3f} s "
-            f"(runs {spread['decode']} tok/s); {teardown}{extra}"
+            f"(runs {spread['decode']} tok/s); 1-min load average {res['loadavg_before']:.1f} before, "
+            f"{res['loadavg_after']:.1f} after the timed runs; {teardown}{extra}"
         )
     kv = v41.get("kv_log")
     if kv:
@@ -403,18 +423,25 @@ def report(args: argparse.Namespace, rows: list[tuple[str, dict, dict]], llama: 
         if res.get("kv_tokens")
     ]
     if sized:
-        out.append(f"- KV cache as vLLM sized it ({os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB): " + ", ".join(sized))
+        out.append(
+            f"- KV cache as vLLM sized it ({os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB): " + ", ".join(sized)
+        )
     return "\n".join(out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--prefill-len", type=int, default=256, help="prompt tokens per prefill prompt")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per phase (batch)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode prompt")
     parser.add_argument(
-        "--model-dir", type=Path, default=None, help="V4.1 tiny checkpoint dir: reused if present, else built there"
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="V4.1 tiny checkpoint dir: reused if present, else built there",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per phase; the median is reported")
     args = parser.parse_args()
@@ -424,6 +451,7 @@ def main() -> None:
         parser.error(f"prompts plus generated tokens must fit max_model_len={MAX_MODEL_LEN}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
+    tree = _tree_state()  # before the runs: the tree may change while they go
     with tempfile.TemporaryDirectory(prefix="cpu_engine_bench_") as tmp:
         work = Path(tmp)
         v41_dir = build_v41(args.model_dir or work / "v41-tiny")
@@ -435,7 +463,7 @@ def main() -> None:
         ):
             print(f"[cpu_engine] running {label} from {model_dir}", file=sys.stderr, flush=True)
             rows.append((label, measure(name, model_dir, args, work), safetensors_params(model_dir)))
-        print(report(args, rows, llama_shape(v41_dir)), flush=True)
+        print(report(args, rows, llama_shape(v41_dir), tree), flush=True)
 
 
 if __name__ == "__main__":
