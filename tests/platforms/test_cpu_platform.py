@@ -37,3 +37,16 @@ def test_current_platform_is_ours():
     from vllm.platforms import current_platform
 
     assert type(current_platform).__name__ == "DeepInferCpuPlatform"
+
+
+def test_sparse_selector_routes_v41_to_our_backend():
+    from types import SimpleNamespace
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    from deepinfer_vllm.platforms.cpu import V41_BACKEND, DeepInferCpuPlatform
+
+    sparse = SimpleNamespace(use_sparse=True, use_mla=True)
+    with pytest.raises(NotImplementedError):
+        CpuPlatform.get_attn_backend_cls(None, sparse)  # what stock vLLM does for V4.1
+    assert DeepInferCpuPlatform.get_attn_backend_cls(None, sparse) == V41_BACKEND

@@ -119,11 +119,12 @@ class DeepseekV41ForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         model_config = vllm_config.model_config
-        self.vllm_config = vllm_config
         self.arch = arch = V41Arch.from_config(model_config.hf_config)
         self.dtype = model_config.dtype
         self.model_dir = Path(model_config.model)
         self.yoco_mode, self.yoco_keep = envs.yoco_settings(arch.sliding_window)
+        if self.yoco_mode == "compact" and any(i >= arch.first_decoder_layer for i in arch.engram_layer_ids):
+            raise ValueError("compact prefill truncation needs every Engram layer before the decoder half")
 
         main_rope = build_rope_cache(arch.rope_dim, arch.max_position_embeddings, arch.rope_theta, None)
         comp_rope = build_rope_cache(
@@ -155,9 +156,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.token_history = TokenHistory(history, self.cache_layers)
             self.engram_tables = EngramTables(arch, _engram_vocab_map(model_config, arch))
 
-        # Weights that load now and run in later work (vision tower, DSpark).
+        # Weights that load now and run in later work (vision tower, DSpark):
+        # kept as raw checkpoint tensors, validated with the rest.
         self.deferred = nn.Module()
-        self._deferred_names: dict[str, str] = {}
 
         block_size = vllm_config.cache_config.block_size
         layers = list(self.cache_layers.values())
@@ -173,12 +174,6 @@ class DeepseekV41ForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed[input_ids].to(self.dtype)
 
-    def _step_state(self) -> StepState:
-        attn_metadata = get_forward_context().attn_metadata
-        any_layer = next(iter(self.cache_layers))
-        state = StepState.from_metadata(attn_metadata, any_layer)
-        return state
-
     def forward(
         self,
         input_ids: torch.Tensor | None,
@@ -192,7 +187,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if not attn_metadata:
             # Profiling / dummy run without caches: nothing to attend to.
             return torch.zeros(positions.shape[0], arch.hidden_size, dtype=self.dtype)
-        state = self._step_state()
+        state = StepState.from_metadata(attn_metadata, next(iter(self.cache_layers)))
         T = state.num_tokens
         input_ids = input_ids[:T]
         x = inputs_embeds[:T] if inputs_embeds is not None else self.embed_input_ids(input_ids)
@@ -267,13 +262,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             holder = params.get(dest)
             if holder is None:
                 holder = buffers[dest]
-            data = tensor if index is None else tensor
             slot = holder.data if index is None else holder.data[index]
-            if slot.shape != data.shape:
+            if slot.shape != tensor.shape:
                 raise checkpoint.CheckpointFormatError(
-                    f"tensor {name!r}: shape {tuple(data.shape)} does not fit {dest} {tuple(slot.shape)}"
+                    f"tensor {name!r}: shape {tuple(tensor.shape)} does not fit {dest} {tuple(slot.shape)}"
                 )
-            slot.copy_(data.to(slot.dtype))
+            slot.copy_(tensor.to(slot.dtype))
             loaded.add(dest)
         # Hold weights in the accumulation dtype (values are exact either way).
         acc = acc_dtype(self.dtype)
@@ -322,9 +316,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         raise checkpoint.CheckpointFormatError(f"unexpected tensor {name!r}")
 
     def _store_deferred(self, name: str, tensor: torch.Tensor) -> None:
-        key = name.replace(".", "__")
-        self.deferred.register_buffer(key, tensor, persistent=False)
-        self._deferred_names[name] = key
+        self.deferred.register_buffer(name.replace(".", "__"), tensor, persistent=False)
 
 
 def _engram_vocab_map(model_config, arch: V41Arch) -> torch.Tensor:
