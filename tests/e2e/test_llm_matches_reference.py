@@ -64,3 +64,13 @@ def test_prefix_cache_hit_gives_identical_tokens(llm, acceptance_prompts, tiny_r
     out = llm.generate([_ids(second)], GREEDY)[0]
     assert out.num_cached_tokens >= 128, out.num_cached_tokens
     assert list(out.outputs[0].token_ids) == tiny_reference.greedy_generate(second, 16)
+
+
+def test_image_request_gets_a_clear_error_and_the_engine_keeps_serving(llm, acceptance_prompts, reference_greedy):
+    from PIL import Image
+
+    image_prompt = {"prompt": "<｜deepseek_image｜>", "multi_modal_data": {"image": Image.new("RGB", (84, 84))}}
+    with pytest.raises(ValueError, match="text-only"):
+        llm.generate([image_prompt], GREEDY)
+    out = llm.generate([_ids(acceptance_prompts[0])], GREEDY)[0]
+    assert list(out.outputs[0].token_ids) == reference_greedy[0]
