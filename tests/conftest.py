@@ -13,6 +13,15 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 ACCEPTANCE_PROMPT_LENS = (17, 64, 200)
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """Small tensors: one intra-op thread is as fast, and immune to a busy host."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:
     from deepinfer_vllm.tools.make_checkpoint import make_checkpoint

@@ -413,15 +413,7 @@ class ReferenceV41:
                 trace.entry_positions[L] = pos.clone()
             if role.has_engram:
                 streams = self._engram_update(L, streams, ngram, is_image)
-            pre_a, post_a, comb_a = hc_mix(
-                streams,
-                self.w[f"{p}.hc_attn_fn"],
-                self.w[f"{p}.hc_attn_base"],
-                self.w[f"{p}.hc_attn_scale"],
-                a.rms_norm_eps,
-                a.hc_eps,
-                a.hc_sinkhorn_iters,
-            )
+            pre_a, post_a, comb_a = self._mix(p, "attn", streams)
             x = rms_norm(hc_collapse(streams, pre_in), self.w[f"{p}.attn_norm.weight"], a.rms_norm_eps)
             x_kv = x  # rows the compressor sees: every row of the sequence
             if compact and L == a.first_decoder_layer:
@@ -437,15 +429,7 @@ class ReferenceV41:
             attn = self._attention(role, x, x_kv, pos, T, window_lo, shared)
             streams = hc_expand(attn, streams, post_a, comb_a)
 
-            pre_f, post_f, comb_f = hc_mix(
-                streams,
-                self.w[f"{p}.hc_ffn_fn"],
-                self.w[f"{p}.hc_ffn_base"],
-                self.w[f"{p}.hc_ffn_scale"],
-                a.rms_norm_eps,
-                a.hc_eps,
-                a.hc_sinkhorn_iters,
-            )
+            pre_f, post_f, comb_f = self._mix(p, "ffn", streams)
             xf = rms_norm(hc_collapse(streams, pre_a), self.w[f"{p}.ffn_norm.weight"], a.rms_norm_eps)
             streams = hc_expand(self._moe(L, xf, ids, is_image), streams, post_f, comb_f)
             pre_in = pre_f
@@ -455,6 +439,20 @@ class ReferenceV41:
             trace.final_hidden = h.clone()
             trace.kept_positions = pos.clone()
         return h, pos
+
+    def _mix(self, prefix: str, site: str, streams: torch.Tensor):
+        """mHC coefficients of one sublayer site (``site`` = attn | ffn)."""
+        a = self.arch
+        w = self.w
+        return hc_mix(
+            streams,
+            w[f"{prefix}.hc_{site}_fn"],
+            w[f"{prefix}.hc_{site}_base"],
+            w[f"{prefix}.hc_{site}_scale"],
+            a.rms_norm_eps,
+            a.hc_eps,
+            a.hc_sinkhorn_iters,
+        )
 
     # ------------------------------------------------------------------ attention
 

@@ -21,13 +21,7 @@ from deepinfer_vllm.tools.presets import get_preset
 F8, E8, I8, BF, F32 = "F8_E4M3", "F8_E8M0", "I8", "BF16", "F32"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small tensors: one intra-op thread is as fast, and immune to a busy host."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
