@@ -253,8 +253,8 @@ def engram_multipliers(layer_id: int, max_ngram: int, compressed_vocab_size: int
     ``integers(0, bound, size=max_ngram, dtype=int64)`` with
     ``bound = max(1, (int64_max // compressed_vocab_size) // 2)``, then ``2*v + 1``."""
     bound = max(1, (np.iinfo(np.int64).max // int(compressed_vocab_size)) // 2)
-    rng = np.random.default_rng(int(seed + 10007 * int(layer_id)))
-    draws = rng.integers(0, bound, size=(max_ngram,), dtype=np.int64)
+    layer_seed = 10007 * int(layer_id) + int(seed)
+    draws = np.random.default_rng(layer_seed).integers(0, bound, size=(max_ngram,), dtype=np.int64)
     return [int(v) * 2 + 1 for v in draws]
 
 
