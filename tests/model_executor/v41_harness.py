@@ -10,6 +10,7 @@ model against the full-sequence reference at any chunking, cheaply.
 from __future__ import annotations
 
 import itertools
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ class _Request:
 
 
 class PagedHarness:
-    def __init__(self, model_dir: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 512):
+    def __init__(self, model_dir: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 256):
         import deepinfer_vllm
 
         deepinfer_vllm.register()
@@ -49,7 +50,8 @@ class PagedHarness:
             if spec.dtype != torch.uint8:
                 cache = cache.view(spec.dtype)
             layer.bind_kv_cache(cache)
-        self._next_block = itertools.count(1)  # block 0 is vLLM's null block
+        # One block counter per cache (block 0 is vLLM's null block).
+        self._next_block = defaultdict(lambda: itertools.count(1))
         self.requests: dict[str, _Request] = {}
 
     @staticmethod
@@ -62,7 +64,7 @@ class PagedHarness:
         blocks = req.blocks.setdefault(name, [])
         needed = 1 if ring else -(-length // self.block_size)
         while len(blocks) < needed:
-            blocks.append(next(self._next_block))
+            blocks.append(next(self._next_block[name]))
             assert blocks[-1] < self.num_blocks, "harness ran out of blocks"
         return blocks
 
