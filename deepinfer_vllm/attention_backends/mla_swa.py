@@ -136,6 +136,15 @@ class DeepInferV41Backend(AttentionBackend):
         return True
 
     @classmethod
+    def supported_kv_cache_layouts(cls):
+        # Block-outermost: vLLM packs the pages of all V4.1 caches of a block
+        # side by side (block stride = sum of their pages), so records of
+        # different sizes need no padding to a common page size.
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        return (KVCacheLayout.BLNHC,)
+
+    @classmethod
     def is_mla(cls) -> bool:
         return True
 
@@ -151,9 +160,8 @@ class DeepInferV41Backend(AttentionBackend):
 class V41CacheLayer(nn.Module, AttentionLayerBase):
     """One paged cache of a V4.1 model (see ``cache_layout``), registered with vLLM.
 
-    Every V4.1 page is padded to ``page_bytes`` (the model's largest page):
-    vLLM's hybrid allocator shares one block pool between all groups and needs
-    one physical page size.
+    Pages keep their real record sizes: the backend asks for a block-outermost
+    layout, in which vLLM packs the different pages of a block side by side.
     """
 
     def __init__(self, decl: CacheDecl):
@@ -163,7 +171,6 @@ class V41CacheLayer(nn.Module, AttentionLayerBase):
         self.kind = decl.kind
         self.record = decl.record
         self.ratio = decl.ratio
-        self.page_bytes: int | None = None
         self.kv_cache = torch.tensor([])
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if self.prefix in ctx:
@@ -177,13 +184,4 @@ class V41CacheLayer(nn.Module, AttentionLayerBase):
         self.kv_cache = kv_cache
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        assert self.page_bytes is not None, "page size not set by the model"
-        return self.decl.spec(vllm_config.cache_config.block_size, self.page_bytes)
-
-
-def harmonise_page_sizes(layers: list[V41CacheLayer], block_size: int) -> int:
-    """Pad every cache page of the model to the largest one; returns it."""
-    page = max(layer.decl.spec(block_size).page_size_bytes for layer in layers)
-    for layer in layers:
-        layer.page_bytes = page
-    return page
+        return self.decl.spec(vllm_config.cache_config.block_size)

@@ -39,3 +39,13 @@ def test_specs_page_the_real_record_sizes(block_size):
     assert pages["layers.3.attn.index_cache"] == block_size * 68
     assert pages["layers.1.attn.ring_cache"] == 4 * 2 * 512 * 4
     assert "layers.2.attn.compressed_cache" not in pages  # Reuse layers own no compressed cache
+
+
+def test_backend_asks_for_a_block_outermost_layout():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from deepinfer_vllm.attention_backends.mla_swa import DeepInferV41Backend
+
+    layouts = DeepInferV41Backend.supported_kv_cache_layouts()
+    assert layouts and all(layout.is_block_outermost for layout in layouts)
+    assert layouts[0] is KVCacheLayout.BLNHC

@@ -6,6 +6,7 @@ One engine for the module: default scheduling (chunked prefill on, prefix cachin
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -17,9 +18,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
+    # collective_rpc with a test function needs pickle (test-only).
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     engine = LLM(model=tiny_checkpoint, dtype="float32", max_model_len=512, seed=0, enable_prefix_caching=True)
     yield engine
     del engine
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 
 
 def _ids(prompt):
@@ -74,3 +78,13 @@ def test_image_request_gets_a_clear_error_and_the_engine_keeps_serving(llm, acce
         llm.generate([image_prompt], GREEDY)
     out = llm.generate([_ids(acceptance_prompts[0])], GREEDY)[0]
     assert list(out.outputs[0].token_ids) == reference_greedy[0]
+
+
+def test_caches_are_packed_block_outermost_without_padding(llm):
+    """Records keep their real sizes: vLLM packs the V4.1 pages of a block side by side."""
+    def worker_view(worker):
+        return worker.vllm_config.cache_config.kv_cache_layout, len(worker.model_runner.kv_cache_config.kv_cache_groups)
+
+    (layout, groups), = llm.collective_rpc(worker_view)
+    assert layout == "BLNHC"
+    assert groups >= 3

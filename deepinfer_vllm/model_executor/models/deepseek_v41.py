@@ -25,7 +25,7 @@ from vllm.forward_context import get_forward_context
 
 from deepinfer_vllm import envs
 from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches
-from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer, harmonise_page_sizes
+from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
 from deepinfer_vllm.model_executor import checkpoint
 from deepinfer_vllm.model_executor.layers.step_state import StepState
@@ -161,13 +161,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.deferred = nn.Module()
 
         block_size = vllm_config.cache_config.block_size
-        layers = list(self.cache_layers.values())
-        page = harmonise_page_sizes(layers, block_size)
+        per_token = bytes_per_token([c.decl for c in self.cache_layers.values()], block_size)
         logger.info(
-            "DeepInfer V4.1 caches: %s bytes/token (block %d, page %d B)",
-            {k: round(v, 1) for k, v in bytes_per_token([c.decl for c in layers], block_size).items()},
+            "DeepInfer V4.1 caches: %s bytes/token (block %d)",
+            {k: round(v, 1) for k, v in per_token.items()},
             block_size,
-            page,
         )
 
     # --------------------------------------------------------------- forward
