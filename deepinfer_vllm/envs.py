@@ -8,6 +8,7 @@ the plugin stays cheap to import in every vLLM process.
 | ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` | ``off`` | ``off``: every layer runs every prompt row. ``mask``: decoder layers (the causal decoder half, from the first ratio-1 layer) keep window KV only for the last ``KEEP`` prompt positions and clip their window there (DeepInfer's bounded replay semantics). ``compact``: the same numerics, computing decoder layers only on the kept rows. |
 | ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` | ``0`` (= ``sliding_window + 12`` when truncating) | retained suffix ``KEEP``; must be at least ``sliding_window``. |
 | ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). |
+| ``DEEPINFER_ATTENTION_KERNELS`` | ``auto`` | kernels of the attention hot path (cache writes, indexer + top-k, sparse attention). ``auto``: our Triton kernels on CUDA devices, the PyTorch reference elsewhere. ``torch``: always the reference. ``triton``: always Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). The choice is logged once. |
 """
 
 from __future__ import annotations
@@ -62,4 +63,14 @@ def platform_mode() -> str:
     mode = _get("DEEPINFER_PLATFORM", "auto").lower()
     if mode not in ("auto", "off"):
         raise ValueError(f"DEEPINFER_PLATFORM={mode!r}; expected 'auto' or 'off'")
+    return mode
+
+
+ATTENTION_KERNEL_MODES = ("auto", "torch", "triton")
+
+
+def attention_kernels() -> str:
+    mode = _get("DEEPINFER_ATTENTION_KERNELS", "auto").lower()
+    if mode not in ATTENTION_KERNEL_MODES:
+        raise ValueError(f"DEEPINFER_ATTENTION_KERNELS={mode!r}; expected one of {ATTENTION_KERNEL_MODES}")
     return mode

@@ -45,13 +45,22 @@ def compressor_project(
 def pool_ratio2(u: torch.Tensor, g: torch.Tensor, acc: torch.dtype = torch.float32) -> torch.Tensor:
     """Pool consecutive row pairs ``(2j, 2j+1)``: per channel ``softmax over the pair of g`` weights
     applied to ``u``. fp32 rows in; computed and returned in ``acc`` (``acc_dtype`` of the model
-    dtype) ``[T // 2, D]``; a trailing odd row is ignored."""
+    dtype) ``[T // 2, D]``; a trailing odd row is ignored.
+
+    Written out op by op, ``m = max(g0, g1); e_i = exp(g_i - m); (e0*u0 + e1*u1) / (e0 + e1)``,
+    each op rounding once in ``acc`` (correctly rounded division), so that the Triton kernel
+    ``ops.triton.cache_store.pool_pairs`` can mirror it bit for bit (``torch.softmax`` leaves
+    its internal order to the backend)."""
     n = u.shape[0] // 2
     d = u.shape[-1]
     uf = u[: 2 * n].to(acc).reshape(n, 2, d)
     gf = g[: 2 * n].to(acc).reshape(n, 2, d)
-    alpha = torch.softmax(gf, dim=1)
-    return (alpha * uf).sum(dim=1)
+    u0, u1 = uf[:, 0], uf[:, 1]
+    g0, g1 = gf[:, 0], gf[:, 1]
+    m = torch.maximum(g0, g1)
+    e0 = torch.exp(g0 - m)
+    e1 = torch.exp(g1 - m)
+    return (e0 * u0 + e1 * u1) / (e0 + e1)
 
 
 def compressor_finalize(v: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:

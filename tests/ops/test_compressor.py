@@ -22,6 +22,25 @@ def test_pool_ratio2_against_loop():
             assert math.isclose(out[j, d].item(), want, rel_tol=1e-5, abs_tol=1e-6)
 
 
+@pytest.mark.parametrize("acc", [torch.float32, torch.float64])
+def test_pool_ratio2_op_by_op_form(acc):
+    """The explicit form the Triton kernel mirrors: close to softmax pooling, one-hot for
+    huge gate gaps (no NaN), the plain mean for equal gates."""
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(8, 6, generator=g)
+    gt = torch.randn(8, 6, generator=g) * 3
+    gt[0::2, 0] = 1e4  # first row dominates completely
+    gt[1::2, 1] = gt[0::2, 1]  # equal gates
+    out = pool_ratio2(u, gt, acc)
+    assert out.dtype == acc
+    pairs_u, pairs_g = u.to(acc).view(4, 2, 6), gt.to(acc).view(4, 2, 6)
+    soft = (torch.softmax(pairs_g, dim=1) * pairs_u).sum(dim=1)
+    tol = 1e-6 if acc == torch.float32 else 1e-14
+    torch.testing.assert_close(out, soft, rtol=tol, atol=tol)
+    assert torch.equal(out[:, 0], pairs_u[:, 0, 0])
+    assert torch.equal(out[:, 1], (pairs_u[:, 0, 1] + pairs_u[:, 1, 1]) / 2)
+
+
 def _naive_latents(h, wkv, wgate, nw, eps, ratio, dtype):
     H = h.double()
     rows = []

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer, V41StepMetadata
-from deepinfer_vllm.attention_backends.paged_records import read_records, write_records
+from deepinfer_vllm.ops.paged_records import read_records, write_records
 
 
 @dataclass
@@ -88,6 +88,11 @@ class PagedView:
         blocks = self.meta.block_table[req, first_pos // block_size]
         offsets = (first_pos % block_size) // ratio
         return blocks, offsets
+
+    def slots(self, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        """Flat record slots ``block * records_per_page + offset`` (the kernels' addressing)."""
+        blocks, offsets = self._slot(req, entry)
+        return blocks * (self.meta.block_size // self.layer.ratio) + offsets
 
     def write(self, req: torch.Tensor, entry: torch.Tensor, x: torch.Tensor) -> None:
         if entry.numel() == 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_vllm.attention_backends.kernel_select import choose_attention_kernels
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.attention_backends.cache_layout import layer_caches
 from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
@@ -26,6 +27,13 @@ from deepinfer_vllm.ops.norm import rms_norm
 from deepinfer_vllm.ops.numerics import acc_dtype, gemm
 from deepinfer_vllm.ops.rope import apply_rope_tail
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
+
+
+def _kernel_path():
+    """The Triton path's module, imported on first use (Triton is a CUDA-only dependency)."""
+    from deepinfer_vllm.model_executor.layers import v41_kernel_path
+
+    return v41_kernel_path
 
 
 class Compressor(nn.Module):
@@ -89,6 +97,8 @@ class V41Attention(nn.Module):
         # The KV source's attention (possibly this layer), bound by the model
         # after construction; kept out of the module tree (it is not a child).
         self._kv_source: list[V41Attention] = []
+        # "torch" (the reference path) or "triton"; chosen on the first forward.
+        self._kernels: str | None = None
 
     def bind_kv_source(self, source: "V41Attention") -> None:
         self._kv_source[:] = [source]
@@ -115,6 +125,23 @@ class V41Attention(nn.Module):
         kv = rms_norm(linear(x, self.wkv), self.kv_norm, a.rms_norm_eps)
         kv = self._rope(kv, pos)
 
+        if self._use_kernels(x):
+            o = self._attend_with_kernels(x, c_q, q, kv, state, write_compressed)
+        else:
+            o = self._attend_reference(x, c_q, q, kv, state, write_compressed)
+        o = self._rope(o, pos, inverse=True)
+        group_in = o.reshape(T, a.o_groups, -1)
+        wo_a = self.wo_a.view(a.o_groups, a.o_lora_rank, -1)
+        acc = acc_dtype(dtype)
+        z = torch.einsum("tgi,goi->tgo", group_in.to(acc), wo_a.to(acc)).to(dtype)
+        return linear(z.reshape(T, -1), self.wo_b)
+
+    def _attend_reference(self, x, c_q, q, kv, state: StepState, write_compressed: bool) -> torch.Tensor:
+        """Cache writes, selection and attention with the PyTorch reference operators."""
+        a = self.arch
+        dtype = x.dtype
+        pos = state.positions
+        req = state.token_req
         window = PagedView(self.window_cache, state)
         window_lo = self._window_lower_bound(state)
         write_mask = pos >= window_lo
@@ -131,13 +158,30 @@ class V41Attention(nn.Module):
                 topk = state.topk[self.role.index_source]
 
         keys, valid = self._gather_keys(state, window, window_lo, topk, dtype)
-        o = sparse_attention(q, keys, valid, self.attn_sink, a.head_dim**-0.5)
-        o = self._rope(o, pos, inverse=True)
-        group_in = o.reshape(T, a.o_groups, -1)
-        wo_a = self.wo_a.view(a.o_groups, a.o_lora_rank, -1)
-        acc = acc_dtype(dtype)
-        z = torch.einsum("tgi,goi->tgo", group_in.to(acc), wo_a.to(acc)).to(dtype)
-        return linear(z.reshape(T, -1), self.wo_b)
+        return sparse_attention(q, keys, valid, self.attn_sink, a.head_dim**-0.5)
+
+    def _attend_with_kernels(self, x, c_q, q, kv, state: StepState, write_compressed: bool) -> torch.Tensor:
+        """The same step on the Triton kernels (CUDA path): quantise-and-store,
+        indexer scores + top-k over the paged index keys, sparse attention
+        straight from the paged records."""
+        fast = _kernel_path()
+        a = self.arch
+        dev = x.device
+        pos = state.positions.to(dev)
+        req = state.token_req.to(dev)
+        window = PagedView(self.window_cache, state)
+        window_lo = self._window_lower_bound(state).to(dev)
+        fast.store(window, req, pos, kv, keep=pos >= window_lo)
+        if self.role.is_kv_source and write_compressed:
+            self.write_compressed(x, state)
+        topk = None
+        if self.role.ratio > 0:
+            if self.role.is_index_source:
+                topk = fast.select(self, x, c_q, state)
+                state.topk[self.role.layer_id] = topk
+            else:
+                topk = state.topk[self.role.index_source]
+        return fast.attend(self, q, state, window, window_lo, topk)
 
     def _window_lower_bound(self, state: StepState) -> torch.Tensor:
         """Lowest position whose window KV this layer keeps, per token."""
@@ -146,13 +190,20 @@ class V41Attention(nn.Module):
         return torch.zeros_like(state.positions)
 
     # ------------------------------------------------------------- compressor
+    def _use_kernels(self, x: torch.Tensor) -> bool:
+        if self._kernels is None:
+            self._kernels = choose_attention_kernels(x.device)
+        return self._kernels == "triton"
+
     def write_compressed(self, x: torch.Tensor, state: StepState) -> None:
         """Compressed KV + index key of every group completed in this step."""
         a = self.arch
         r = self.role.ratio
         comp = self.compressor
-        pos = state.positions
-        req = state.token_req
+        kernels = self._use_kernels(x)
+        dev = x.device
+        pos = state.positions.to(dev)
+        req = state.token_req.to(dev)
         if r == 1:
             lat = linear(x, comp.wkv)
             entry_req, entry = req, pos
@@ -161,36 +212,43 @@ class V41Attention(nn.Module):
             g = gemm(x, comp.wgate, torch.float32)
             rows = torch.cat([u, g], dim=-1)
             ring = RingView(self.ring_cache, state)
+            on_ring = ring.rows.device
             closes = (pos % 2) == 1
             entry_req = req[closes]
             second = pos[closes]
             # A pair's first token is in this step's rows, or (pair split
             # across steps) in the ring, read before this step overwrites it.
-            row_of = torch.arange(pos.shape[0])[closes]
-            in_step = (second - 1) >= state.context_lens[entry_req]
+            row_of = torch.arange(pos.shape[0], device=dev)[closes]
+            in_step = (second - 1) >= state.context_lens.to(dev)[entry_req]
             first_rows = torch.where(
                 in_step.unsqueeze(1),
                 rows[(row_of - 1).clamp_min(0)],
-                ring.read(entry_req, second - 1),
+                ring.read(entry_req.to(on_ring), (second - 1).to(on_ring)).to(dev),
             )
             # Keep only each request's last rows: ring slots are position
             # modulo its capacity, so older rows of a long chunk would collide.
-            recent = pos >= state.seq_lens[req] - ring.capacity
-            ring.write(req[recent], pos[recent], rows[recent])
-            if not bool(closes.any()):
+            recent = pos >= state.seq_lens.to(dev)[req] - ring.capacity
+            ring.write(req[recent].to(on_ring), pos[recent].to(on_ring), rows[recent].to(on_ring))
+            if entry_req.numel() == 0:
                 return
-            pair_u = torch.stack([first_rows[:, : a.head_dim], u[closes]], dim=1)
-            pair_g = torch.stack([first_rows[:, a.head_dim :], g[closes]], dim=1)
-            lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1), acc_dtype(x.dtype)).to(x.dtype)
+            if kernels:
+                lat = _kernel_path().pool_pairs(first_rows.contiguous(), rows[closes].contiguous(), x.dtype)
+            else:
+                pair_u = torch.stack([first_rows[:, : a.head_dim], u[closes]], dim=1)
+                pair_g = torch.stack([first_rows[:, a.head_dim :], g[closes]], dim=1)
+                lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1), acc_dtype(x.dtype)).to(x.dtype)
             entry = second // 2
         lat = rms_norm(lat, comp.norm, a.rms_norm_eps)
         first_pos = entry * r
-        comp_kv = self._rope(lat, first_pos)
-        PagedView(self.compressed_cache, state).write(entry_req, entry, comp_kv)
         idx = self.indexer
         k = rms_norm(linear(lat, idx.wk), idx.k_norm, a.rms_norm_eps)
-        k = self._rope(k, first_pos)
-        PagedView(self.index_cache, state).write(entry_req, entry, k)
+        for cache, rows_out in ((self.compressed_cache, lat), (self.index_cache, k)):
+            view = PagedView(cache, state)
+            rotated = self._rope(rows_out, first_pos)
+            if kernels:
+                _kernel_path().store(view, entry_req, entry, rotated)
+            else:
+                view.write(entry_req, entry, rotated)
 
     # ---------------------------------------------------------------- indexer
     def _select(self, x: torch.Tensor, c_q: torch.Tensor, state: StepState) -> torch.Tensor:

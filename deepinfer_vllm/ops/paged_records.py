@@ -72,6 +72,25 @@ def write_records(
     scales[blocks, offsets] = q_scales
 
 
+def write_records_at_slots(
+    cache: torch.Tensor,
+    fmt: RecordFormat | str,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+) -> None:
+    """``write_records`` addressed by slot (``block * N + offset``); rows with slot < 0 are skipped.
+
+    The reference of the Triton ``ops.triton.cache_store.store_records``, which
+    takes the same arguments. A format name means records of ``x.shape[-1]`` dims.
+    """
+    if isinstance(fmt, str):
+        fmt = RecordFormat(fmt, x.shape[-1])
+    num_states = cache.shape[-2]
+    keep = slots >= 0
+    kept = slots[keep].long()
+    write_records(cache, fmt, kept // num_states, kept % num_states, x[keep])
+
+
 def read_records(
     cache: torch.Tensor,
     fmt: RecordFormat,

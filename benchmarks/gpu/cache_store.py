@@ -1,0 +1,93 @@
+"""Benchmark of ops/triton/cache_store.py: quantise-and-store of cache records, and ratio-2 pooling.
+
+Flash shapes: window KV (MXFP8, 512 dims, 528 B), compressed KV (NVFP4, 512 dims,
+288 B) and index keys (MXFP4, 128 dims, 68 B) for 64 / 4096 / 65536 bf16 rows
+into padded pages (64 records each) at random slots; pooling of as many pairs of
+fp32 ``[u | g]`` rows (2 x 512 each) to bf16. Bytes = inputs read + outputs written.
+Baselines: the PyTorch references (``write_records_at_slots``; ``pool_ratio2`` as
+the model calls it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.gpu.common import HEADER, Ceilings, Row, measure_ceilings, time_s  # noqa: E402
+from deepinfer_vllm.ops.compressor import pool_ratio2  # noqa: E402
+from deepinfer_vllm.ops.paged_records import RecordFormat, write_records_at_slots  # noqa: E402
+from deepinfer_vllm.ops.triton.cache_store import pool_pairs, store_records  # noqa: E402
+
+CACHES = [("window KV", "mxfp8", 512), ("compressed KV", "nvfp4", 512), ("index keys", "mxfp4", 128)]
+COUNTS = (64, 4096, 65536)
+RECORDS_PER_PAGE = 64
+OTHER_PAGE_BYTES = 4096  # pages of other caches packed beside this one (block stride > N * R)
+
+
+def _store_rows(device: str) -> list[Row]:
+    rows = []
+    for label, fmt, dim in CACHES:
+        rf = RecordFormat(fmt, dim)
+        page = RECORDS_PER_PAGE * rf.record_bytes
+        for n in COUNTS:
+            num_blocks = -(-2 * n // RECORDS_PER_PAGE)
+            buf = torch.zeros(num_blocks, page + OTHER_PAGE_BYTES, dtype=torch.uint8, device=device)
+            cache = buf[:, :page].unflatten(1, (1, RECORDS_PER_PAGE, rf.record_bytes))
+            slots = torch.randperm(num_blocks * RECORDS_PER_PAGE, device=device)[:n].to(torch.int32)
+            x = torch.randn(n, dim, device=device, dtype=torch.bfloat16)
+            t = time_s(lambda: store_records(cache, fmt, slots, x))
+            t_ref = time_s(lambda: write_records_at_slots(cache, rf, slots, x), graph=False)
+            rows.append(
+                Row(
+                    kernel=f"store_records {fmt}",
+                    shape=f"{label} n={n} D={dim}",
+                    seconds=t,
+                    bytes=n * (2 * dim + 4 + rf.record_bytes),
+                    baseline="torch ref",
+                    baseline_seconds=t_ref,
+                )
+            )
+    return rows
+
+
+def _pool_rows(device: str, dim: int = 512) -> list[Row]:
+    rows = []
+    for n in COUNTS:
+        first = torch.randn(n, 2 * dim, device=device)
+        second = torch.randn(n, 2 * dim, device=device)
+
+        def reference():
+            pair_u = torch.stack([first[:, :dim], second[:, :dim]], dim=1).flatten(0, 1)
+            pair_g = torch.stack([first[:, dim:], second[:, dim:]], dim=1).flatten(0, 1)
+            return pool_ratio2(pair_u, pair_g, torch.float32).to(torch.bfloat16)
+
+        t = time_s(lambda: pool_pairs(first, second, torch.bfloat16))
+        t_ref = time_s(reference, graph=False)
+        rows.append(
+            Row(
+                kernel="pool_pairs bf16",
+                shape=f"n={n} D={dim}",
+                seconds=t,
+                bytes=n * (2 * 2 * dim * 4 + dim * 2),
+                baseline="torch ref",
+                baseline_seconds=t_ref,
+            )
+        )
+    return rows
+
+
+def run(ceilings: Ceilings) -> list[Row]:
+    torch.manual_seed(0)
+    return _store_rows("cuda") + _pool_rows("cuda")
+
+
+if __name__ == "__main__":
+    c = measure_ceilings()
+    print(f"copy ceiling {c.copy_bytes_per_s / 1e12:.2f} TB/s")
+    print("  ".join(HEADER))
+    for row in run(c):
+        print("  ".join(row.cells(c)))

@@ -1,0 +1,266 @@
+"""Benchmark of ops/triton/indexer.py and ops/triton/topk.py: lightning-indexer scores over the
+paged MXFP4 index cache, top-k selection, candidate blocks, and the reindex (sparse) path.
+
+Flash shapes: 32 index heads x 128 dims, ratio 2, vLLM blocks of 64 tokens (32 records of
+68 B per page, pages padded by 4 KiB of other caches), one query token per request (decode).
+
+* scores: batch 64 / 128 / 256 x context 8192 / 32768 / 131072 keys. Bytes = 68 per key per
+  query + q + w + fp32 scores written; FLOPs = 2 * 32 * 128 per key per query. Baseline: the
+  PyTorch paged reference where affordable (batch 64 x 8192).
+* selection: k = 512 over N = 8192 / 32768 / 131072 x T = 64 / 256, and k = 2048 over 16384
+  blocks, on bf16-valued scores. Bytes = fp32 scores read + indices written. Baseline:
+  ``torch.topk(sorted=False)`` (neither tie-stable nor index-ordered, so it does less).
+* candidate path: block scores + top-2048 blocks of 131072 scores, then the reindex layer's
+  sparse scores over the 2048 x 8 kept entries and its top-512 (mapped back).
+
+Rows ``index_scores_paged [variant]`` time other decode modes / pipelines / launch shapes of the
+scores kernel at batch 128 x 32768 and 256 x 131072 (``SCORE_VARIANTS``, to pick the default). ``python benchmarks/gpu/indexer.py --sweep``
+prints a wider sweep (scores modes x block_n x warps x tiles; top-k digit width x chunk).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.gpu.common import HEADER, Ceilings, Row, measure_ceilings, time_s  # noqa: E402
+from deepinfer_vllm.ops import paged_indexer as ref  # noqa: E402
+from deepinfer_vllm.ops.triton.indexer import index_scores_paged, index_scores_paged_sparse  # noqa: E402
+from deepinfer_vllm.ops.triton.topk import block_scores, candidate_blocks, topk_indices  # noqa: E402
+
+H, D, REC = 32, 128, 68
+RATIO, BLOCK = 2, 64
+PAGE_N = BLOCK // RATIO
+OTHER_PAGE_BYTES = 4096
+BATCHES = (64, 128, 256)
+CONTEXTS = (8192, 32768, 131072)
+TOPK_CASES = [(T, N, 512) for N in (8192, 32768, 131072) for T in (64, 256)]
+TOPK_CASES += [(64, 16384, 2048), (256, 16384, 2048)]
+CAND = dict(N=131072, keep=2048, k=512, T=(64, 256), B=128)
+BASELINE_SHAPE = (64, 8192)
+DEVICE = "cuda"
+
+
+def make_cache(n_req: int, entries: int, device: str | None = None):
+    """Random MXFP4 records (scales 2^-3 .. 2^1) for ``n_req`` requests, pages shuffled."""
+    device = device or DEVICE
+    pages = -(-entries // PAGE_N)
+    num_blocks = n_req * pages
+    stride = PAGE_N * REC + OTHER_PAGE_BYTES
+    buf = torch.randint(0, 256, (num_blocks, stride), dtype=torch.uint8, device=device)
+    buf[:, PAGE_N * 64 : PAGE_N * REC] = torch.randint(
+        124, 129, (num_blocks, PAGE_N * 4), dtype=torch.uint8, device=device
+    )
+    cache = buf.view(-1).as_strided((num_blocks, 1, PAGE_N, REC), (stride, PAGE_N * REC, REC, 1))
+    bt = torch.randperm(num_blocks, device=device).view(n_req, pages).to(torch.int32)
+    return cache, bt
+
+
+def make_queries(T: int, device: str | None = None):
+    from deepinfer_vllm.ops import quant
+
+    device = device or DEVICE
+    q = quant.mxfp4_qdq(torch.randn(T, H, D, device=device)).to(torch.bfloat16)
+    w = torch.randn(T, H, device=device).to(torch.bfloat16)
+    return q, w
+
+
+# Scores variants timed at VARIANT_SHAPES (kwargs of index_scores_paged): the default is
+# mode 0, perm, prefetch=1 (L2 prefetch of tile it+1 + block ids two tiles ahead, maxnreg 168).
+SCORE_VARIANTS = [
+    ("no prefetch (previous default)", dict(prefetch=0)),
+    ("prefetch=1 no maxnreg", dict(prefetch=1, maxnreg=0)),
+    ("prefetch=2 regs", dict(prefetch=2)),
+    ("no-perm", dict(perm=False)),
+    ("bn256 w8", dict(block_n=256, num_warps=8)),
+    ("bn64 w4", dict(block_n=64, num_warps=4)),
+    ("tiles=2", dict(tiles=2)),
+    ("mode1 arith bf16", dict(mode=1)),
+    ("mode1 no prefetch", dict(mode=1, prefetch=0)),
+]
+VARIANT_SHAPES = ((128, 32768), (256, 131072))
+
+
+def _score_rows(variants: bool = True) -> list[Row]:
+    rows = []
+    for ctx in CONTEXTS:
+        cache, bt = make_cache(max(BATCHES), ctx)
+        for B in BATCHES:
+            req = torch.arange(B, device=DEVICE)
+            vis = torch.full((B,), ctx, device=DEVICE)
+            q, w = make_queries(B)
+            nbytes = B * ctx * (REC + 4) + q.numel() * 2 + w.numel() * 2
+            flops = 2 * H * D * B * ctx
+            t = time_s(lambda: index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK, max_visible=ctx))
+            t_ref, base = float("nan"), ""
+            if (B, ctx) == BASELINE_SHAPE:
+                t_ref = time_s(lambda: ref.index_scores_paged(q, w, cache, bt[:B], req, vis, RATIO, BLOCK,
+                                                              max_visible=ctx), warmup=1, rep=3, graph=False)
+                base = "torch paged ref"
+            rows.append(Row("index_scores_paged", f"decode B={B} ctx={ctx}", t, nbytes, flops, base, t_ref))
+            if variants and (B, ctx) in VARIANT_SHAPES:
+                for name, kw in SCORE_VARIANTS:
+                    try:
+                        tv = time_s(lambda: index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK,
+                                                               max_visible=ctx, **kw))
+                    except Exception as exc:  # a variant this Triton cannot compile
+                        print(f"variant {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                        continue
+                    rows.append(Row(f"index_scores_paged [{name}]", f"decode B={B} ctx={ctx}", tv, nbytes,
+                                    flops))
+        del cache, bt
+    return rows
+
+
+def _bf16_scores(T: int, N: int) -> torch.Tensor:
+    return (torch.randn(T, N, device=DEVICE) * 4).to(torch.bfloat16).float()
+
+
+def _topk_rows() -> list[Row]:
+    # Top-k variants timed next to the default (``run``), at the shapes where the choice matters.
+    # "reg" = rows (or block maxima + the entries of the top-k blocks) in registers, "stream" = the
+    # chunked passes over memory (the previous default).
+    variants = {
+        (64, 8192, 512): [("stream", dict(method="stream"))],
+        (256, 32768, 512): [("stream", dict(method="stream")), ("reg s1=4", dict(method="reg", s1=4))],
+        (64, 131072, 512): [
+            ("stream", dict(method="stream")),
+            ("reg s1=8", dict(method="reg", s1=8)),
+            ("reg s1=32", dict(method="reg", s1=32)),
+            ("reg dbits=4", dict(method="reg", dbits=4)),
+            ("reg dbits=5", dict(method="reg", dbits=5)),
+        ],
+        (256, 131072, 512): [
+            ("reg s1=32", dict(method="reg", s1=32)),
+            ("reg dbits=4", dict(method="reg", dbits=4)),
+        ],
+        (64, 16384, 2048): [("stream", dict(method="stream")), ("reg s1=2", dict(method="reg", s1=2))],
+        (256, 16384, 2048): [
+            ("reg s1=2", dict(method="reg", s1=2)),
+            ("reg dbits=4", dict(method="reg", dbits=4)),
+            ("reg dbits=5", dict(method="reg", dbits=5)),
+            ("reg warps=8", dict(method="reg", num_warps=8)),
+        ],
+    }
+
+    def _time_variant(name, fn):
+        try:
+            return time_s(fn)
+        except Exception as exc:  # a variant this Triton cannot compile: report, keep the run going
+            print(f"top-k variant {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return None
+
+    rows = []
+    for T, N, k in TOPK_CASES:
+        s = _bf16_scores(T, N)
+        t = time_s(lambda: topk_indices(s, k))
+        t_ref = time_s(lambda: torch.topk(s, k, dim=1, sorted=False))
+        rows.append(Row("topk_indices", f"T={T} N={N} k={k}", t, T * N * 4 + T * k * 4, 0.0,
+                        "torch.topk", t_ref))
+        for name, kw in variants.get((T, N, k), []):
+            tv = _time_variant(name, lambda: topk_indices(s, k, **kw))
+            if tv is not None:
+                rows.append(Row(f"topk_indices [{name}]", f"T={T} N={N} k={k}", tv,
+                                T * N * 4 + T * k * 4, 0.0, "torch.topk", t_ref))
+    return rows
+
+
+def _candidate_rows() -> list[Row]:
+    cand_variants = [("reg s1=2", dict(method="reg", s1=2)), ("reg dbits=4", dict(method="reg", dbits=4))]
+    mapped_variants = [("reg s1=4", dict(method="reg", s1=4)), ("stream", dict(method="stream"))]
+
+    def _time_variant(name, fn):
+        try:
+            return time_s(fn)
+        except Exception as exc:  # a variant this Triton cannot compile: report, keep the run going
+            print(f"top-k variant {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return None
+
+    rows = []
+    N, kb, k = CAND["N"], CAND["keep"], CAND["k"]
+    for T in CAND["T"]:
+        s = _bf16_scores(T, N)
+        vis = torch.full((T,), N, device=DEVICE)
+        t = time_s(lambda: candidate_blocks(s, vis, 8, kb))
+        t_bs = time_s(lambda: block_scores(s, vis, 8))
+        bs = block_scores(s, vis, 8)
+        # Baseline: our block maxima, then torch.topk over them (not tie-stable).
+        t_ref = t_bs + time_s(lambda: torch.topk(bs, kb, dim=1, sorted=False))
+        rows.append(Row("candidate_blocks", f"T={T} N={N} keep={kb}x8", t, T * N * 4 + T * kb * 4, 0.0,
+                        "block max + torch.topk", t_ref))
+        for name, kw in cand_variants:
+            tv = _time_variant(name, lambda: candidate_blocks(s, vis, 8, kb, **kw))
+            if tv is not None:
+                rows.append(Row(f"candidate_blocks [{name}]", f"T={T} N={N} keep={kb}x8", tv,
+                                T * N * 4 + T * kb * 4, 0.0, "block max + torch.topk", t_ref))
+        rows.append(Row("  block_scores", f"T={T} N={N}", t_bs, T * N * 4 + T * N // 8 * 4))
+    ctx, B = N, CAND["B"]
+    cache, bt = make_cache(B, ctx)
+    req = torch.arange(B, device=DEVICE)
+    vis = torch.full((B,), ctx, device=DEVICE)
+    q, w = make_queries(B)
+    kept = torch.sort(torch.randperm(ctx // 8, device=DEVICE)[:kb].repeat(B, 1), dim=1).values.to(torch.int32)
+    nkeys = kb * 8
+    t = time_s(lambda: index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8))
+    rows.append(Row("index_scores_paged_sparse", f"reindex B={B} ctx={ctx} keys={nkeys}", t,
+                    B * nkeys * (REC + 4) + B * kb * 4, 2 * H * D * B * nkeys))
+    compact = index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8)
+    t = time_s(lambda: topk_indices(compact, k, index_map=kept, map_block=8))
+    t_ref = time_s(lambda: torch.topk(compact, k, dim=1, sorted=False))
+    rows.append(Row("topk_indices (mapped)", f"reindex B={B} N={nkeys} k={k}", t,
+                    B * nkeys * 4 + B * k * 4, 0.0, "torch.topk", t_ref))
+    for name, kw in mapped_variants:
+        tv = _time_variant(name, lambda: topk_indices(compact, k, index_map=kept, map_block=8, **kw))
+        if tv is not None:
+            rows.append(Row(f"topk_indices (mapped) [{name}]", f"reindex B={B} N={nkeys} k={k}", tv,
+                            B * nkeys * 4 + B * k * 4, 0.0, "torch.topk", t_ref))
+    return rows
+
+
+def run(ceilings: Ceilings) -> list[Row]:
+    torch.manual_seed(0)
+    return _score_rows() + _topk_rows() + _candidate_rows()
+
+
+def sweep() -> None:
+    """Scores launch parameters and top-k digit widths on one decode shape each (not in ``run``)."""
+    B, ctx = 128, 32768
+    cache, bt = make_cache(B, ctx)
+    req = torch.arange(B, device=DEVICE)
+    vis = torch.full((B,), ctx, device=DEVICE)
+    q, w = make_queries(B)
+    for mode in (0, 1):
+        for pf in (0, 1, 2):
+            for bn, nw in [(64, 4), (128, 4), (128, 8), (256, 8)]:
+                for tiles in (2, 4, 8):
+                    try:
+                        t = time_s(lambda: index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK,
+                                                              max_visible=ctx, mode=mode, prefetch=pf,
+                                                              block_n=bn, num_warps=nw, tiles=tiles))
+                    except Exception as exc:
+                        print(f"mode={mode} prefetch={pf} bn={bn} nw={nw} tiles={tiles}: {type(exc).__name__}")
+                        continue
+                    print(f"scores mode={mode} prefetch={pf} bn={bn} nw={nw} tiles={tiles}: {t * 1e6:.1f} us "
+                          f"{B * ctx * REC / t / 1e12:.2f} TB/s (keys only)")
+    for T, N, k in [(64, 131072, 512), (256, 32768, 512), (256, 16384, 2048)]:
+        s = _bf16_scores(T, N)
+        for dbits in (4, 6, 8):
+            for block in (1024, 2048, 4096):
+                t = time_s(lambda: topk_indices(s, k, dbits=dbits, block=block))
+                print(f"topk T={T} N={N} k={k} dbits={dbits} block={block}: {t * 1e6:.1f} us")
+
+
+if __name__ == "__main__":
+    if "--sweep" in sys.argv:
+        sweep()
+        sys.exit()
+    c = measure_ceilings()
+    print(f"copy ceiling {c.copy_bytes_per_s / 1e12:.2f} TB/s")
+    print("  ".join(HEADER))
+    for row in run(c):
+        print("  ".join(row.cells(c)))
+

@@ -1,0 +1,178 @@
+"""Sparse MLA decode attention on Flash shapes (H=64, D=512, W=128, top-k 512).
+
+Per token: 128 window keys (MXFP8, 528 B) + 512 compressed keys (NVFP4, 288 B),
+64 heads attending all of them: FLOPs = 4 * H * D * keys (QK^T and PV), bytes =
+the records read + q + out (+ the top-k indices). Contexts are long
+(8192 positions) so the gathered records come from a cache much larger than L2.
+The baseline is the PyTorch paged reference (gather + dequantise + einsum), timed
+on the smaller batches. A row's shape says which ceiling bounds it: its arithmetic
+intensity against the ridge point (bf16 matmul rate / copy bandwidth) measured in
+this run. After the main rows, a sweep of launch configs at 128 and 256 tokens
+(ratio 2), and at 64 tokens with and without flash-decoding splits, shows what
+to tune (the prefetch pipelines, pipeline stages, splits).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.gpu.common import Ceilings, Row, time_s  # noqa: E402
+from deepinfer_vllm.ops.paged_attention import paged_sparse_attention  # noqa: E402
+from deepinfer_vllm.ops.paged_records import RecordFormat, write_records  # noqa: E402
+from deepinfer_vllm.ops.triton.sparse_mla_decode import DecodeConfig, sparse_mla_decode  # noqa: E402
+
+H, D, W, K = 64, 512, 128, 512
+BLOCK_SIZE = 64
+CONTEXT = 8192
+BASELINE_MAX_TOKENS = 64
+
+
+def make_inputs(num_reqs: int, tokens_per_req: int, ratio: int, device: str = "cuda", seed: int = 0):
+    """Paged caches (window + compressed pages of a block side by side) with real records
+    at every slot the tokens read; the last ``tokens_per_req`` positions of each request."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w_fmt, c_fmt = RecordFormat("mxfp8", D), RecordFormat("nvfp4", D)
+    n_c = BLOCK_SIZE // ratio
+    w_page, c_page = BLOCK_SIZE * w_fmt.record_bytes, n_c * c_fmt.record_bytes
+    per_req = CONTEXT // BLOCK_SIZE
+    num_blocks = num_reqs * per_req
+    buf = torch.zeros(num_blocks, w_page + c_page + 256, dtype=torch.uint8, device=device)
+    window_cache = buf[:, :w_page].unflatten(1, (1, BLOCK_SIZE, w_fmt.record_bytes))
+    comp_cache = buf[:, w_page : w_page + c_page].unflatten(1, (1, n_c, c_fmt.record_bytes))
+    perm = torch.randperm(num_blocks, generator=g).to(device)
+    w_bt = perm.view(num_reqs, per_req).int()
+    c_bt = torch.roll(perm, 1).view(num_reqs, per_req).int()
+
+    positions = (CONTEXT - tokens_per_req + torch.arange(tokens_per_req)).repeat(num_reqs).to(device)
+    token_req = torch.arange(num_reqs).repeat_interleave(tokens_per_req).to(device)
+    T = positions.numel()
+    # window records: the last W + tokens_per_req positions of every request
+    span = torch.arange(CONTEXT - W - tokens_per_req, CONTEXT, device=device)
+    req = torch.arange(num_reqs, device=device).repeat_interleave(span.numel())
+    pos = span.repeat(num_reqs)
+    write_records(window_cache, w_fmt, w_bt.long()[req, pos // BLOCK_SIZE], pos % BLOCK_SIZE,
+                  torch.randn(pos.numel(), D, device=device))
+    # top-k: K distinct visible entries per token, ascending; write those records
+    visible = (CONTEXT - tokens_per_req + 1) // ratio
+    topk = torch.rand(T, visible, generator=g).argsort(dim=1)[:, :K].sort(dim=1).values.to(device)
+    first = topk * ratio
+    tr = token_req.view(-1, 1).expand_as(first)
+    write_records(comp_cache, c_fmt, c_bt.long()[tr, first // BLOCK_SIZE].flatten(),
+                  ((first % BLOCK_SIZE) // ratio).flatten(), torch.randn(first.numel(), D, device=device))
+    q = torch.randn(T, H, D, generator=g).to(device=device, dtype=torch.bfloat16)
+    args = dict(
+        window_cache=window_cache, window_block_table=w_bt, window_block_size=BLOCK_SIZE,
+        positions=positions, window_lo=torch.zeros_like(positions), token_req=token_req, window=W,
+        sink=torch.randn(H, generator=g).to(device), scale=D**-0.5,
+        comp_cache=comp_cache, comp_block_table=c_bt, comp_block_size=BLOCK_SIZE, comp_ratio=ratio,
+        topk=topk.int(),
+    )
+    return q, args
+
+
+def _traffic(T: int) -> tuple[float, float]:
+    keys = W + K
+    flops = 4.0 * H * D * keys * T
+    records = W * (D + D // 32) + K * (D // 2 + D // 16)
+    index = K * 4  # top-k entries (block-table words are L1/L2 hits: not counted)
+    qo = 2 * H * D * 2
+    return flops, float(T * (records + index + qo))
+
+
+def _bound(flops: float, nbytes: float, tokens: int, c: Ceilings) -> str:
+    """Compute- or memory-bound by arithmetic intensity vs the ridge point; below 64
+    tokens there is too little work per call for either ceiling (latency-bound)."""
+    ridge = c.bf16_flops_per_s / c.copy_bytes_per_s
+    kind = "compute" if flops / nbytes > ridge else "memory"
+    return f"{kind}-bound" if tokens >= 64 else f"latency-bound, {kind} by intensity"
+
+
+def _row(label: str, q, args, c: Ceilings, ref: torch.Tensor, config: DecodeConfig | None = None,
+         baseline: bool = False) -> Row:
+    """Time one launch config; its output must match ``ref`` (the paged reference)."""
+    T = q.shape[0]
+    out = torch.empty_like(q)
+    seconds = time_s(lambda: sparse_mla_decode(q, **args, config=config, out=out))
+    flops, nbytes = _traffic(T)
+    row = Row(
+        kernel="sparse_mla_decode",
+        shape=f"{label} [{_bound(flops, nbytes, T, c)}]",
+        seconds=seconds, bytes=nbytes, flops=flops,
+    )
+    rel = ((out.float() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item()
+    row.extra["max_rel_err"] = rel
+    if not rel <= 1e-2:
+        raise AssertionError(f"{label}: kernel disagrees with the reference (rel err {rel:.3g})")
+    if baseline:
+        row.baseline = "paged torch ref"
+        row.baseline_seconds = time_s(lambda: paged_sparse_attention(q, **args), warmup=2, rep=5, graph=False)
+    return row
+
+
+def run(ceilings: Ceilings) -> list[Row]:
+    rows: list[Row] = []
+
+    def inputs(num_reqs: int, tokens_per_req: int, ratio: int):
+        q, args = make_inputs(num_reqs, tokens_per_req, ratio)
+        return q, args, paged_sparse_attention(q, **args).float()
+
+    for ratio in (2, 1):
+        for batch in (1, 16, 64, 128, 256):
+            q, args, ref = inputs(batch, 1, ratio)
+            rows.append(_row(f"T={batch} (1/req) r={ratio}", q, args, ceilings, ref,
+                             baseline=batch <= BASELINE_MAX_TOKENS))
+            del q, args, ref
+        q, args, ref = inputs(64, 2, ratio)
+        rows.append(_row(f"T=128 (64 req x 2) r={ratio}", q, args, ceilings, ref))
+        del q, args, ref
+    # launch-config sweep (defaults first): the fastest row tells what DecodeConfig should be.
+    # Default: num_stages=3, prefetch=1 (measured best); prefetch 0-3 pipeline the compressed gather chain.
+    sweep = [
+        DecodeConfig(),
+        DecodeConfig(num_stages=2),
+        DecodeConfig(num_stages=1),
+        DecodeConfig(prefetch=0),
+        DecodeConfig(prefetch=2),
+        DecodeConfig(prefetch=3),
+        DecodeConfig(prefetch=3, num_stages=1),
+        DecodeConfig(fast_fp4=False),
+    ]
+    q, args, ref = inputs(128, 1, 2)
+    for cfg in sweep:
+        rows.append(_row(f"T=128 r=2 {_describe(cfg)}", q, args, ceilings, ref, config=cfg))
+    del q, args, ref
+    q, args, ref = inputs(256, 1, 2)
+    for cfg in (DecodeConfig(), DecodeConfig(prefetch=0), DecodeConfig(prefetch=2), DecodeConfig(prefetch=3)):
+        rows.append(_row(f"T=256 r=2 {_describe(cfg)}", q, args, ceilings, ref, config=cfg))
+    del q, args, ref
+    q, args, ref = inputs(64, 1, 2)
+    for cfg in (DecodeConfig(num_splits=1), DecodeConfig(num_splits=2), DecodeConfig(num_splits=4),
+                DecodeConfig(num_splits=2, prefetch=3), DecodeConfig(num_splits=2, prefetch=0)):
+        rows.append(_row(f"T=64 r=2 {_describe(cfg)}", q, args, ceilings, ref, config=cfg))
+    return rows
+
+
+def _describe(cfg: DecodeConfig) -> str:
+    base = DecodeConfig()
+    diff = [f"{k}={getattr(cfg, k)}" for k in cfg.__dataclass_fields__ if getattr(cfg, k) != getattr(base, k)]
+    return "cfg(" + (", ".join(diff) or "default") + ")"
+
+
+if __name__ == "__main__":
+    from benchmarks.gpu.common import HEADER, measure_ceilings
+
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    c = measure_ceilings()
+    print(f"ceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, "
+          f"bf16 {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
+    rows = run(c)
+    print(" | ".join(HEADER + ["max rel err"]))
+    for r in rows:
+        print(" | ".join(r.cells(c) + [f"{r.extra.get('max_rel_err', float('nan')):.2e}"]))

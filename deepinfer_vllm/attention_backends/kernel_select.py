@@ -1,0 +1,66 @@
+"""Which kernels run V4.1's attention hot path, chosen once per process and logged.
+
+The PyTorch reference path (``None`` here) runs everywhere and is what every
+kernel is tested against. On CUDA devices the backend uses our Triton kernels
+(``ops/triton``). DeepSeek's kernel libraries (``flash_mla``, ``deep_gemm``,
+``deep_select``) are detected and reported; their V4.1 entry points target
+SM100 and are not wired here (no device to test them on), so on Hopper the
+Triton kernels are the fast path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from deepinfer_vllm import envs
+
+logger = logging.getLogger(__name__)
+
+VENDOR_LIBRARIES = ("flash_mla", "deep_gemm", "deep_select")
+
+_logged: set[tuple[str, str]] = set()
+
+
+def vendor_libraries() -> list[str]:
+    """Names of DeepSeek's kernel libraries importable in this environment."""
+    return [name for name in VENDOR_LIBRARIES if importlib.util.find_spec(name) is not None]
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def choose_attention_kernels(device: torch.device) -> str:
+    """``"triton"`` or ``"torch"`` for tensors on ``device`` (``DEEPINFER_ATTENTION_KERNELS``)."""
+    mode = envs.attention_kernels()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if mode == "torch":
+        choice, why = "torch", "DEEPINFER_ATTENTION_KERNELS=torch"
+    elif mode == "triton":
+        if not _triton_available():
+            raise RuntimeError("DEEPINFER_ATTENTION_KERNELS=triton but Triton is not installed")
+        if device.type != "cuda" and not interpret:
+            raise RuntimeError(
+                f"DEEPINFER_ATTENTION_KERNELS=triton needs a CUDA device (got {device}); "
+                "on a CPU set TRITON_INTERPRET=1 (tests only)"
+            )
+        choice, why = "triton", "DEEPINFER_ATTENTION_KERNELS=triton"
+    elif device.type == "cuda" and _triton_available():
+        choice, why = "triton", f"CUDA device {torch.cuda.get_device_name(device)}"
+    else:
+        choice, why = "torch", f"{device.type} device"
+    key = (choice, str(device))
+    if key not in _logged:
+        _logged.add(key)
+        vendors = vendor_libraries()
+        vendor_note = (
+            f"; found {', '.join(vendors)} (their V4.1 paths target SM100 and are not wired; using ours)"
+            if vendors and choice == "triton"
+            else ""
+        )
+        logger.info("DeepInfer V4.1 attention kernels: %s (%s)%s", choice, why, vendor_note)
+    return choice

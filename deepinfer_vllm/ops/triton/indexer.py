@@ -1,0 +1,525 @@
+"""Lightning-indexer scores over the paged MXFP4 index cache, and the end-to-end selection.
+
+``I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j])`` for ``j < visible[t]`` (else -inf), with
+``k[j]`` the MXFP4 record (64 packed bytes + 4 UE8M0 scales) of entry ``j`` of request
+``token_req[t]`` in the paged cache (page ``j // N``, slot ``j % N``, ``N = block_size //
+ratio``; the page holds the value bytes of its N records, then their scale bytes).
+PyTorch reference: ``ops.paged_indexer``.
+
+One program scores ``TILES`` tiles of ``BLOCK_N`` keys for one query token. Per tile it
+computes the transposed product ``S^T = K [BLOCK_N, 128] x Q^T [128, H]`` on the tensor
+cores (M = keys, N = heads), then ReLU, the head weights and the head sum in fp32, and
+rounds the score once to the model dtype (returned as fp32). Keys are decoded in registers;
+``mode`` picks how:
+
+* 0 (default for bf16/fp16 queries): ``tl.dot_scaled`` with the packed e2m1 keys and their
+  UE8M0 scales on the left and bf16 ``Q^T`` on the right; on Hopper Triton upcasts the keys
+  to bf16 (exact: e2m1 x 2^e) and uses bf16 wgmma. ``perm`` reorders the K dimension (keys
+  and ``Q^T`` alike; a dot product does not care) so that the 4 record bytes a thread needs
+  for its wgmma A fragment are contiguous: the shared-memory transpose then moves 16-byte
+  vectors instead of single bytes (about 15 % fewer instructions per key on sm90).
+* 1: keys decoded arithmetically to fp32 bit patterns, cast to bf16, two K = 64 dots (even /
+  odd dims) - a fallback if ``dot_scaled`` does not compile (then picked automatically).
+* 2 (default for fp32 queries): as 1 but fp32 with IEEE dots, the interpreter-friendly path.
+
+The query must hold MXFP4-dequantised values (the model's ``mxfp4_qdq``), so its cast to
+bf16 is exact whatever the input dtype. Limitations: a UE8M0 byte of 0 (2^-127,
+never written by the MXFP4 encoder, whose smallest scale is 2^-126) decodes as 0 in mode
+0 and as garbage in modes 1/2; modes 1/2 also flush the subnormal value 0.5 * 2^-126 of
+scale byte 1. Both are far below anything the rounding of a score can see.
+
+Tile pipeline (``prefetch``): the first GPU run (no pipeline) reached only ~12 G keys/s where
+the sm90 SASS (843 instructions per 128-key tile per thread, i.e. ~840 per key) allows ~40:
+every tile waited for two dependent DRAM round trips (block table, then records) with only
+3 CTAs of 4 warps per SM. ``prefetch=1`` (default) loads the block ids two tiles ahead and
+prefetches the next tile's record and scale rows into L2 (``prefetch.global.L2``, GPU only),
+capped at 168 registers (3 CTAs/SM, no spill); ``prefetch=2`` carries the next tile's bytes
+in registers instead (Triton then moves them through shared memory byte by byte: 1118
+instructions per tile, 196 registers); ``prefetch=0`` is the old loop. Mode 3 (fp8 wgmma)
+was removed: Hopper's fp8 tensor cores accumulate with too few bits for the fp32 bound.
+An exact int8 formulation (2 x e2m1 codes, one int32 dot per 32-group) was considered and
+not built: it needs 4 int32 accumulators per (key, head) and their exact conversion and
+scaling (~3 instructions each, I2F is quarter rate) = ~380 instructions per key in the
+epilogue alone, no better than today's total. Tokens of the same request (prefill chunks,
+speculative verification) re-read the same keys: grouping a request's tokens into the N
+dimension would decode each key once per group (not done here).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_vllm.ops.paged_indexer import IndexerOps, check_index_cache, run_indexer_pipeline
+from deepinfer_vllm.ops.triton.topk import candidate_blocks, topk_indices
+
+__all__ = [
+    "index_scores_paged",
+    "index_scores_paged_sparse",
+    "indexer_topk",
+]
+
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Default decode for bf16/fp16 queries and default software pipelining (see the module
+# docstring); a mode that fails to compile on this Triton is recorded here and skipped (0 -> 1).
+DEFAULT_MODE = 0
+DEFAULT_PREFETCH = 1
+_FAILED: dict[int | str, bool] = {}
+
+
+@triton.jit
+def _e2m1_scaled(nib, sc, OUT: tl.constexpr):
+    """e2m1 code (low nibble) times 2^(sc - 127), built as fp32 bits, cast to ``OUT`` (exact)."""
+    n = nib.to(tl.int32)
+    mag = n & 7
+    ebits = (sc.to(tl.int32) - 1) << 23
+    bits = tl.where(mag >= 2, (mag << 22) + ebits, tl.where(mag == 1, ebits, 0))
+    bits = bits | ((n & 8) << 28)
+    return bits.to(tl.float32, bitcast=True).to(OUT)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> nearest bf16 (ties to even), kept in fp32; integer arithmetic, so it is exact
+    everywhere (Triton's interpreter truncates in ``.to(tl.bfloat16)``)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_entries(c, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB: tl.constexpr, SPARSE: tl.constexpr,
+                  LIMIT: tl.constexpr):
+    """Entry index and visibility of columns ``c`` (sparse: issues the candidate-id load).
+    With ``LIMIT``, columns past this program's range (``c >= c_end``) are invisible: never read."""
+    if SPARSE:
+        cm = c < n_cols
+        if LIMIT:
+            cm = cm & (c < c_end)
+        bid = tl.load(cand_ptr + t * stride_cand + c // CB, mask=cm, other=-1).to(tl.int32)
+        j = bid * CB + c % CB
+        valid = (bid >= 0) & (j < vis)
+    else:
+        j = c
+        valid = j < vis
+        if LIMIT:
+            valid = valid & (c < c_end)
+    return j, valid
+
+
+@triton.jit
+def _tile_blocks(j, valid, bt_row, PAGE_N: tl.constexpr):
+    """Cache block ids of entries ``j`` (issues the block-table load)."""
+    return tl.load(bt_row + j // PAGE_N, mask=valid, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N: tl.constexpr, D: tl.constexpr,
+               MODE: tl.constexpr):
+    """Issue the loads of the records of entries ``j``: packed values ``[BLOCK_N, D / 2]`` and
+    scale bytes (``[BLOCK_N, D / 32]`` for mode 0, one per value byte for modes 1/2)."""
+    VB: tl.constexpr = D // 2
+    SB: tl.constexpr = D // 32
+    vv = tl.arange(0, VB)
+    page = cache_ptr + blk * stride_blk
+    slot = j % PAGE_N
+    vptr = page + slot * VB
+    sptr = page + PAGE_N * VB + slot * SB
+    vals = tl.load(vptr[:, None] + vv[None, :], mask=valid[:, None], other=0)
+    if MODE == 0:
+        scl = tl.load(sptr[:, None] + tl.arange(0, SB)[None, :], mask=valid[:, None], other=127)
+    else:
+        scl = tl.load(sptr[:, None] + (vv // 16)[None, :], mask=valid[:, None], other=127)
+    return vals, scl
+
+
+@triton.jit
+def _l2_prefetch(cache_ptr, stride_blk, blk, j, valid, PAGE_N: tl.constexpr, D: tl.constexpr):
+    """Ask L2 for the value row and scale row of each valid entry (GPU only: inline PTX)."""
+    page = cache_ptr + blk * stride_blk
+    slot = j % PAGE_N
+    vptr = tl.where(valid, page + slot * (D // 2), page)
+    sptr = tl.where(valid, page + PAGE_N * (D // 2) + slot * (D // 32), page)
+    tl.inline_asm_elementwise(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p prefetch.global.L2 [$1];\n@p prefetch.global.L2 [$2];\nmov.u32 $0, 0;\n}",
+        "=r,l,l,r", [vptr, sptr, valid.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
+def _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 MODE: tl.constexpr, PERM: tl.constexpr):
+    """``sum_h w_h relu(q_h . k)`` of one tile of keys, fp32 ``[BLOCK_N]``."""
+    if MODE == 0:
+        if PERM:
+            v5 = tl.reshape(vals, (BLOCK_N, D // 32, 4, 2, 2))
+            vals = tl.reshape(tl.permute(v5, (0, 1, 3, 4, 2)), (BLOCK_N, D // 2))
+        # Q^T is re-read per tile (L1/L2 hits): as a dot operand it then goes straight
+        # to shared memory with async copies instead of a register round trip per tile.
+        qT = tl.trans(tl.load(q_ptrs, mask=hmask[:, None], other=0.0).to(tl.bfloat16))
+        acc = tl.dot_scaled(vals, scl, "e2m1", qT, None, "bf16")
+    elif MODE == 1:
+        lo = _e2m1_scaled(vals & 15, scl, tl.bfloat16)
+        hi = _e2m1_scaled(vals >> 4, scl, tl.bfloat16)
+        acc = tl.dot(lo, qe) + tl.dot(hi, qo)
+    else:
+        lo = _e2m1_scaled(vals & 15, scl, tl.float32)
+        hi = _e2m1_scaled(vals >> 4, scl, tl.float32)
+        acc = tl.dot(lo, qe, input_precision="ieee") + tl.dot(hi, qo, input_precision="ieee")
+    return tl.sum(tl.maximum(acc, 0.0) * w[None, :], 1)
+
+
+@triton.jit
+def _store_scores(out_row, c, score, valid, n_cols, ROUND: tl.constexpr):
+    if ROUND == 1:
+        score = _round_bf16(score)
+    elif ROUND == 2:
+        score = score.to(tl.float16).to(tl.float32)
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(out_row + c, score, mask=c < n_cols)
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, stride_qt, stride_qh,
+    w_ptr, stride_wt,
+    cache_ptr, stride_blk,
+    bt_ptr, stride_bt,
+    req_ptr, vis_ptr,
+    cand_ptr, stride_cand,
+    out_ptr, stride_out, n_cols,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, CB: tl.constexpr,
+    SPARSE: tl.constexpr, ROUND: tl.constexpr, MODE: tl.constexpr, PERM: tl.constexpr,
+    PREFETCH: tl.constexpr, L2PF: tl.constexpr,
+):
+    VB: tl.constexpr = D // 2  # packed value bytes per record
+    pid = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    vis = tl.load(vis_ptr + t).to(tl.int32)
+    out_row = out_ptr + t * stride_out
+    c_first = pid * (TILES * BLOCK_N)
+    c_end = c_first + TILES * BLOCK_N
+    ar = tl.arange(0, BLOCK_N)
+    if SPARSE:
+        idle = c_first >= n_cols
+    else:
+        idle = c_first >= vis
+    if idle:  # every column of this program is invisible
+        for it in range(TILES):
+            c = c_first + it * BLOCK_N + ar
+            tl.store(out_row + c, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=c < n_cols)
+    else:
+        req = tl.load(req_ptr + t).to(tl.int64)
+        hh = tl.arange(0, HP)
+        hmask = hh < H
+        w = tl.load(w_ptr + t * stride_wt + hh, mask=hmask, other=0.0).to(tl.float32)
+        q_row = q_ptr + t * stride_qt
+        kk = tl.arange(0, D)
+        if MODE == 0 and PERM:
+            # logical pair L = 16 g + 8 c + 4 h + u  <->  record byte 16 g + 4 u + 2 c + h, so
+            # that a thread's wgmma A-operand bytes are 4 contiguous record bytes per group
+            L = kk // 2
+            pb = (L // 16) * 16 + (L % 4) * 4 + ((L // 8) % 2) * 2 + (L // 4) % 2
+            qoff = 2 * pb + kk % 2
+        else:
+            qoff = kk
+        q_ptrs = q_row + hh[:, None] * stride_qh + qoff[None, :]  # [HP, D]: contiguous along D
+        if MODE == 0:
+            qe = w
+            qo = w
+        else:
+            CDT: tl.constexpr = tl.bfloat16 if MODE == 1 else tl.float32
+            vv = tl.arange(0, VB)
+            qe_ptrs = q_row + hh[None, :] * stride_qh + 2 * vv[:, None]  # [D / 2, HP]: even dims
+            qe = tl.load(qe_ptrs, mask=hmask[None, :], other=0.0).to(CDT)
+            qo = tl.load(qe_ptrs + 1, mask=hmask[None, :], other=0.0).to(CDT)
+        bt_row = bt_ptr + req * stride_bt
+        if PREFETCH == 2:
+            # Software pipeline in registers (loads are asynchronous until first use): while
+            # tile `it` is decoded and multiplied, the records of tile it+1, the block ids of
+            # tile it+2 and (sparse) the candidate ids of tile it+3 are in flight.
+            j0, v0 = _tile_entries(c_first + ar, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE, True)
+            j1, v1 = _tile_entries(c_first + BLOCK_N + ar, c_end, t, vis, n_cols, cand_ptr, stride_cand,
+                                   CB, SPARSE, True)
+            j2, v2 = _tile_entries(c_first + 2 * BLOCK_N + ar, c_end, t, vis, n_cols, cand_ptr, stride_cand,
+                                   CB, SPARSE, True)
+            b0 = _tile_blocks(j0, v0, bt_row, PAGE_N)
+            b1 = _tile_blocks(j1, v1, bt_row, PAGE_N)
+            vals, scl = _tile_load(cache_ptr, stride_blk, b0, j0, v0, PAGE_N, D, MODE)
+            for it in range(TILES):
+                c = c_first + it * BLOCK_N + ar
+                vals_n, scl_n = _tile_load(cache_ptr, stride_blk, b1, j1, v1, PAGE_N, D, MODE)
+                b2 = _tile_blocks(j2, v2, bt_row, PAGE_N)
+                j3, v3 = _tile_entries(c + 3 * BLOCK_N, c_end, t, vis, n_cols, cand_ptr, stride_cand,
+                                       CB, SPARSE, True)
+                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM)
+                _store_scores(out_row, c, score, v0, n_cols, ROUND)
+                vals, scl, v0 = vals_n, scl_n, v1
+                j1, v1, b1 = j2, v2, b2
+                j2, v2 = j3, v3
+        elif PREFETCH == 1:
+            # Pipeline through L2: tile it+1's records are prefetched into L2 (GPU: one
+            # prefetch.global.L2 per record row and scale row; skipped under the interpreter)
+            # and tile it+2's block ids are loaded while tile `it` is loaded from L2 and computed.
+            j0, v0 = _tile_entries(c_first + ar, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE, True)
+            j1, v1 = _tile_entries(c_first + BLOCK_N + ar, c_end, t, vis, n_cols, cand_ptr, stride_cand,
+                                   CB, SPARSE, True)
+            b0 = _tile_blocks(j0, v0, bt_row, PAGE_N)
+            b1 = _tile_blocks(j1, v1, bt_row, PAGE_N)
+            for it in range(TILES):
+                c = c_first + it * BLOCK_N + ar
+                if L2PF:
+                    _l2_prefetch(cache_ptr, stride_blk, b1, j1, v1, PAGE_N, D)
+                j2, v2 = _tile_entries(c + 2 * BLOCK_N, c_end, t, vis, n_cols, cand_ptr, stride_cand,
+                                       CB, SPARSE, True)
+                b2 = _tile_blocks(j2, v2, bt_row, PAGE_N)
+                if not SPARSE:  # in range: the same validity without the range test (fewer registers)
+                    j0, v0 = _tile_entries(c, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE, False)
+                vals, scl = _tile_load(cache_ptr, stride_blk, b0, j0, v0, PAGE_N, D, MODE)
+                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM)
+                _store_scores(out_row, c, score, v0, n_cols, ROUND)
+                j0, v0, b0 = j1, v1, b1
+                j1, v1, b1 = j2, v2, b2
+        else:
+            for it in range(TILES):
+                c = c_first + it * BLOCK_N + ar
+                j, valid = _tile_entries(c, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE, False)
+                blk = _tile_blocks(j, valid, bt_row, PAGE_N)
+                vals, scl = _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N, D, MODE)
+                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM)
+                _store_scores(out_row, c, score, valid, n_cols, ROUND)
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+_SMS: dict[int, int] = {}
+
+
+def _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, block_size) -> int:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
+    T, H, D = q.shape
+    if q.dtype not in _ROUND:
+        raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
+    if D < 64 or D & (D - 1):
+        raise ValueError(f"index head dim must be a power of two >= 64, got {D}")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous in its last dim")
+    if w.shape != (T, H) or not w.dtype.is_floating_point or (H > 1 and w.stride(1) != 1):
+        raise ValueError(f"w must be a float [T, H] = [{T}, {H}] with stride(1) == 1, got {tuple(w.shape)}")
+    page_n = check_index_cache(index_cache, D, ratio, block_size)
+    if index_cache.stride(-1) != 1 or index_cache.stride(-2) != index_cache.shape[-1]:
+        raise ValueError("index cache pages must be contiguous inside (only the block stride may be padded)")
+    ints = (torch.int32, torch.int64)
+    if block_table.dim() != 2 or block_table.dtype not in ints or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be row-contiguous int32/int64 [R, n], not {block_table.dtype}")
+    for name, v in (("token_req", token_req), ("visible", visible)):
+        if v.shape != (T,) or v.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32/int64 [{T}], got {tuple(v.shape)} {v.dtype}")
+    for name, v in (("w", w), ("index_cache", index_cache), ("block_table", block_table),
+                    ("token_req", token_req), ("visible", visible)):
+        if v.device != q.device:
+            raise ValueError(f"{name} is on {v.device}, q on {q.device}")
+    if T > 65535:
+        raise ValueError(f"at most 65535 query tokens per call, got {T}")
+    return page_n
+
+
+def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
+            out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out):
+    T, H, D = q.shape
+    if out is None:
+        out = torch.empty(T, n_cols, dtype=torch.float32, device=q.device)
+    elif out.shape != (T, n_cols) or out.dtype != torch.float32 or out.device != q.device or (
+        n_cols > 1 and out.stride(1) != 1
+    ):
+        raise ValueError(f"out must be a row-contiguous float32 [{T}, {n_cols}] on {q.device}")
+    if T == 0 or n_cols == 0:
+        return out
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _ROUND:
+        raise TypeError(f"out_dtype must be fp32/bf16/fp16, got {out_dtype}")
+    if mode is None:
+        mode = 2 if q.dtype == torch.float32 else DEFAULT_MODE
+    if mode not in (0, 1, 2):
+        raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16) or 2 (fp32), got {mode}")
+    if _FAILED.get(mode) and q.is_cuda:
+        mode = 1
+    prefetch = DEFAULT_PREFETCH if prefetch is None else int(prefetch)
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch must be 0 (none), 1 (L2) or 2 (registers), got {prefetch}")
+    block_n = block_n or (32 if mode == 2 else 128)  # fp32 FMA dots spill beyond 32 keys
+    if tiles is None:  # up to 1024 keys per program (Q^T and w loaded once), >= 4 programs per SM
+        n_tiles = T * triton.cdiv(n_cols, block_n)
+        tiles = max(1, min(1024 // block_n, n_tiles // (4 * _num_sms(q.device))))
+    num_warps = num_warps or 4
+    if maxnreg is None:  # 3 CTAs of 4 warps per SM for the pipelined mode-0 tile (205 -> 164 regs, no spill)
+        maxnreg = 168 if (mode, prefetch, block_n, num_warps) == (0, 1, 128, 4) else 0
+    grid = (triton.cdiv(n_cols, block_n * tiles), T)
+    sparse = cand is not None
+    if sparse and block_n % cand_block:
+        raise ValueError(f"block_n {block_n} must be a multiple of the candidate block {cand_block}")
+    cptr = cand if sparse else block_table
+    kwargs = dict(
+        H=H, HP=max(16, triton.next_power_of_2(H)), D=D, PAGE_N=page_n,
+        BLOCK_N=block_n, TILES=tiles, CB=cand_block if sparse else 1,
+        SPARSE=sparse, ROUND=_ROUND[out_dtype], PERM=perm, PREFETCH=prefetch, num_warps=num_warps,
+    )
+    args = (
+        q, q.stride(0), q.stride(1), w, w.stride(0),
+        index_cache, index_cache.stride(0), block_table, block_table.stride(0),
+        token_req, visible, cptr, cptr.stride(0), out, out.stride(0), n_cols,
+    )
+    l2pf = q.is_cuda and not _FAILED.get("l2pf")
+    maxnreg = maxnreg if q.is_cuda and not _FAILED.get("maxnreg") else 0
+    while True:
+        extra = {"maxnreg": maxnreg} if maxnreg else {}
+        try:
+            _index_scores_kernel[grid](*args, MODE=mode, L2PF=l2pf, **kwargs, **extra)
+            return out
+        except Exception as exc:  # pragma: no cover - a Triton that cannot lower an option
+            if not q.is_cuda:
+                raise
+            # drop the optional extras first (register cap, L2 prefetch PTX), then mode 0
+            if maxnreg:
+                what, maxnreg = "maxnreg", 0
+            elif l2pf and prefetch == 1:
+                what, l2pf = "l2pf", False
+            elif mode == 0:
+                what, mode = 0, 1
+            else:
+                raise
+            _FAILED[what] = True
+            warnings.warn(f"indexer scores: {what!r} failed to compile ({type(exc).__name__}: {exc}); "
+                          "retrying without it")
+
+
+def index_scores_paged(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    visible: torch.Tensor,
+    ratio: int,
+    block_size: int,
+    out_dtype: torch.dtype | None = None,
+    max_visible: int | None = None,
+    *,
+    mode: int | None = None,
+    block_n: int | None = None,
+    tiles: int | None = None,
+    num_warps: int | None = None,
+    perm: bool = True,
+    prefetch: int | None = None,
+    maxnreg: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scores of every token over its request's paged index keys -> fp32 ``[T, n_cols]``.
+
+    ``n_cols = max_visible`` (pass it to avoid a host sync; default ``visible.max()``);
+    columns ``j >= visible[t]`` are ``-inf`` and their pages are never read. Scores are
+    rounded once to ``out_dtype`` (default ``q.dtype``). ``mode``/``block_n``/``tiles``/
+    ``num_warps`` are tuning knobs (see the module docstring).
+    """
+    page_n = _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, block_size)
+    if max_visible is None:
+        max_visible = int(visible.max()) if visible.numel() else 0
+    return _launch(q, w, index_cache, block_table, token_req, visible, page_n, None, 1, int(max_visible),
+                   out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out)
+
+
+def index_scores_paged_sparse(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    visible: torch.Tensor,
+    ratio: int,
+    block_size: int,
+    cand_blocks: torch.Tensor,
+    cand_block_size: int = 8,
+    out_dtype: torch.dtype | None = None,
+    *,
+    mode: int | None = None,
+    block_n: int | None = None,
+    tiles: int | None = None,
+    num_warps: int | None = None,
+    perm: bool = True,
+    prefetch: int | None = None,
+    maxnreg: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scores of the kept candidate blocks' entries only -> compact fp32 ``[T, nb * B]``.
+
+    Column ``c`` is entry ``cand_blocks[t, c // B] * B + c % B`` (``-inf`` for a -1 block or
+    an entry ``>= visible[t]``). Same per-key arithmetic as ``index_scores_paged``.
+    """
+    page_n = _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, block_size)
+    T = q.shape[0]
+    ints = (torch.int32, torch.int64)
+    if cand_blocks.dim() != 2 or cand_blocks.shape[0] != T or cand_blocks.dtype not in ints:
+        raise ValueError(f"cand_blocks must be int32/int64 [{T}, nb], got {tuple(cand_blocks.shape)}")
+    if cand_blocks.shape[1] > 1 and cand_blocks.stride(1) != 1:
+        raise ValueError("cand_blocks rows must be contiguous")
+    if cand_block_size < 1 or cand_block_size & (cand_block_size - 1):
+        raise ValueError(f"cand_block_size must be a power of two, got {cand_block_size}")
+    n_cols = cand_blocks.shape[1] * cand_block_size
+    return _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand_blocks, cand_block_size,
+                   n_cols, out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    visible: torch.Tensor,
+    *,
+    ratio: int,
+    block_size: int,
+    topk: int,
+    candidates: torch.Tensor | None = None,
+    candidate_source: bool = False,
+    candidate_block_size: int = 8,
+    candidate_topk_blocks: int = 2048,
+    out_dtype: torch.dtype | None = None,
+    max_visible: int | None = None,
+    index_dtype: torch.dtype = torch.int32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One index-source layer's top-k (the model's ``_select`` once ``q``/``w`` exist).
+
+    Inputs mirror ``_select``: ``q = mxfp4_qdq(rope(q_b(c_q)))`` ``[T, H, 128]``, ``w =
+    weights_proj(x)`` ``[T, H]``, the KV source's index cache, its block table (of the
+    cache's own KV-cache group), ``token_req``, ``visible = (positions + 1) // ratio``.
+
+    * ``candidates`` (kept block ids of the candidate source, ``[T, nb]``): reindex layer;
+      only those blocks' entries are scored -> ``(topk [T, topk], None)``;
+    * else all visible entries; with ``candidate_source`` the kept block ids
+      ``[T, candidate_topk_blocks]`` are returned too, for the reindex layers.
+
+    Same results as ``ops.paged_indexer.indexer_topk`` given the same scores.
+    """
+    ops = IndexerOps(index_scores_paged, index_scores_paged_sparse, topk_indices, candidate_blocks)
+    return run_indexer_pipeline(
+        ops, q, w, index_cache, block_table, token_req, visible, ratio=ratio, block_size=block_size,
+        topk=topk, candidates=candidates, candidate_source=candidate_source,
+        candidate_block_size=candidate_block_size, candidate_topk_blocks=candidate_topk_blocks,
+        out_dtype=out_dtype, max_visible=max_visible, index_dtype=index_dtype,
+    )

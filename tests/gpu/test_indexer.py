@@ -1,0 +1,224 @@
+"""Triton indexer scores over the paged MXFP4 cache vs ops.paged_indexer, and the end-to-end top-k.
+
+Scores are not bit-exact (the kernel sums in another order than the einsum reference):
+* fp32 scores (``out_dtype=float32``): ``|got - want| <= 1e-5 * S`` where ``S = sum_h |w_h|
+  relu(q_h . k)`` bounds every partial sum;
+* bf16 scores (the model dtype): at most one bf16 step apart, ``|got - want| <= 2^-7 |want| +
+  1e-5 S``, and at least 98 % of them bit-identical;
+* the -inf pattern (invisible / non-candidate columns) is identical.
+Every decode mode x tile pipeline (``prefetch`` 0 / 1 = L2 prefetch / 2 = registers) is covered.
+Selections are exact given the kernel's own scores; against the full reference pipeline at
+least 95 % of the selected indices agree (score rounding can reorder near-ties).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import INTERPRET, poison_, shapes
+from deepinfer_vllm.ops import quant
+from deepinfer_vllm.ops import paged_indexer as ref
+from deepinfer_vllm.ops.triton.indexer import index_scores_paged, index_scores_paged_sparse, indexer_topk
+
+NEG = float("-inf")
+REC = 68  # MXFP4 record of 128 dims: 64 value bytes + 4 scale bytes
+
+
+def make_cache(device, g, n_req, max_entries, ratio, block_size, pad=48, scales=(122, 131)):
+    """A paged index cache filled with random MXFP4 records (scale bytes in ``scales``).
+
+    Pages are shuffled over the cache and padded (block stride > N * 68); unused pages hold
+    garbage (NaN-free). Returns ``(cache, block_table)``.
+    """
+    n = block_size // ratio
+    pages = max(1, -(-max_entries // n))
+    num_blocks = n_req * pages + 5
+    stride = n * REC + pad
+    buf = torch.randint(0, 256, (num_blocks, stride), generator=g, dtype=torch.uint8)
+    sc = buf[:, n * 64 : n * REC]
+    sc.copy_(torch.randint(scales[0], scales[1], sc.shape, generator=g, dtype=torch.uint8))
+    buf = buf.to(device)
+    cache = buf.view(-1).as_strided((num_blocks, 1, n, REC), (stride, n * REC, REC, 1))
+    perm = torch.randperm(num_blocks, generator=g)[: n_req * pages]
+    block_table = perm.view(n_req, pages).to(torch.int32).to(device)
+    return cache, block_table
+
+
+def make_queries(device, g, T, H, dtype):
+    q = quant.mxfp4_qdq(torch.randn(T, H, 128, generator=g)).to(dtype)
+    w = torch.randn(T, H, generator=g).to(dtype)
+    return q.to(device), w.to(device)
+
+
+def check_scores(got, want, bound, exact_frac, rel_bound=1e-5):
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)), "-inf pattern differs"
+    assert not torch.isnan(got).any()
+    if not fin.any():
+        return
+    diff = (got[fin] - want[fin]).abs()
+    tol = 2.0**-7 * want[fin].abs() + rel_bound * bound[fin] + 1e-30
+    assert bool((diff <= tol).all()), f"max excess {(diff - tol).max().item()}"
+    frac = (got[fin] == want[fin]).float().mean().item()
+    assert frac >= exact_frac, f"only {frac:.4f} identical"
+
+
+def score_bound(q, w, cache, bt, req, vis, ratio, bs, max_visible=None):
+    return ref.index_scores_paged(q.float(), w.float().abs(), cache, bt, req, vis, ratio, bs, torch.float32,
+                                  max_visible).clamp_min(0)
+
+
+# (T, H, requests, max entries, ratio, block_size)
+SMALL = [
+    (1, 4, 1, 1, 1, 16),
+    (3, 4, 2, 40, 2, 16),
+    (5, 32, 3, 200, 1, 64),
+    (4, 4, 2, 300, 2, 64),
+]
+LARGE = [
+    (256, 32, 256, 8192, 2, 64),
+    (64, 32, 64, 32768, 1, 64),
+    (8, 32, 8, 131072, 2, 64),
+    (128, 32, 16, 16384, 2, 64),  # 8 tokens per request (speculative verification / chunks)
+]
+# (mode, perm, prefetch)
+MODES = [(0, True, 1), (0, False, 1), (0, True, 0), (0, True, 2), (2, True, 1), (2, True, 0)]
+MODES += [] if INTERPRET else [(1, True, 1), (1, True, 0)]
+LARGE_MODES = {(0, True, 1), (0, True, 0), (0, True, 2)}  # default candidates; the rest: small shapes
+
+
+def _variant_cases(small, large):
+    """(mode, perm, prefetch) x shape; variants outside LARGE_MODES get the small shapes only."""
+    return [
+        (*m, *shape)
+        for m in MODES
+        for shape in shapes(small, large)
+        if INTERPRET or shape[0] * shape[3] <= 100_000 or m in LARGE_MODES
+    ]
+
+
+def _tols(mode):
+    """(bound factor of the fp32 check, identical fraction of the bf16 check) per mode."""
+    return 1e-5, 0.98
+
+
+def _case(device, T, H, R, E, ratio, bs, seed, scales=(122, 131)):
+    g = torch.Generator().manual_seed(seed)
+    cache, bt = make_cache(device, g, R, E, ratio, bs, scales=scales)
+    req = (torch.arange(T) * R // T).to(device)
+    vis = torch.randint(0, E + 1, (T,), generator=g)
+    vis[0] = E
+    if T > 2:
+        vis[1] = 0
+    return g, cache, bt, req, vis.to(device)
+
+
+@pytest.mark.parametrize("mode,perm,prefetch,T,H,R,E,ratio,bs", _variant_cases(SMALL, LARGE))
+def test_scores_vs_reference(device, mode, perm, prefetch, T, H, R, E, ratio, bs):
+    g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=T + E)
+    for dtype in ([torch.float32] if mode == 2 else [torch.bfloat16, torch.float32]):
+        q, w = make_queries(device, g, T, H, dtype)
+        n_cols = E + 3
+        bound = score_bound(q, w, cache, bt, req, vis, ratio, bs, n_cols)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out = poison_(torch.empty(T, n_cols, dtype=torch.float32, device=device))
+            got = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, out_dtype, max_visible=n_cols,
+                                     mode=mode, perm=perm, prefetch=prefetch, out=out)
+            want = ref.index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, out_dtype, max_visible=n_cols)
+            rel, frac = _tols(mode)
+            if out_dtype == torch.float32:
+                fin = torch.isfinite(want)
+                assert torch.equal(fin, torch.isfinite(got))
+                assert bool(((got[fin] - want[fin]).abs() <= rel * bound[fin] + 1e-30).all())
+            else:
+                check_scores(got, want, bound, frac, rel)
+
+
+def test_scores_default_sizes_and_short_rows(device):
+    """No max_visible (host max), tokens with nothing visible, tuning knobs."""
+    g, cache, bt, req, vis = _case(device, 6, 4, 3, 90, 2, 16, seed=3)
+    q, w = make_queries(device, g, 6, 4, torch.bfloat16)
+    want = ref.index_scores_paged(q, w, cache, bt, req, vis, 2, 16)
+    bound = score_bound(q, w, cache, bt, req, vis, 2, 16)
+    for block_n, tiles, nw, pf in [(None, None, None, None), (64, 1, 4, 1), (128, 2, 8, 2), (64, 3, 4, 0)]:
+        got = index_scores_paged(q, w, cache, bt, req, vis, 2, 16, block_n=block_n, tiles=tiles, num_warps=nw,
+                                 prefetch=pf)
+        assert got.shape == want.shape
+        check_scores(got, want, bound, 0.98)
+
+
+@pytest.mark.parametrize("mode,perm,prefetch,T,H,R,E,ratio,bs,nb", _variant_cases(
+    [(3, 4, 2, 200, 2, 16, 5), (4, 4, 2, 64, 1, 16, 9)],
+    [(64, 32, 64, 131072, 2, 64, 2048), (256, 32, 32, 16384, 1, 64, 2048)],
+))
+def test_sparse_scores_vs_reference(device, mode, perm, prefetch, T, H, R, E, ratio, bs, nb):
+    g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=nb)
+    dtype = torch.float32 if mode == 2 else torch.bfloat16
+    q, w = make_queries(device, g, T, H, dtype)
+    n_blocks = -(-E // 8)
+    cand = torch.full((T, nb), -1, dtype=torch.int32)
+    for t in range(T):
+        m = min(nb - 1, n_blocks)
+        cand[t, :m] = torch.sort(torch.randperm(n_blocks, generator=g)[:m]).values
+    cand = cand.to(device)
+    out = poison_(torch.empty(T, nb * 8, dtype=torch.float32, device=device))
+    got = index_scores_paged_sparse(q, w, cache, bt, req, vis, ratio, bs, cand, 8, mode=mode, perm=perm,
+                                    prefetch=prefetch, out=out)
+    want = ref.index_scores_paged_sparse(q, w, cache, bt, req, vis, ratio, bs, cand, 8)
+    dense_bound = score_bound(q, w, cache, bt, req, vis, ratio, bs, n_blocks * 8)
+    cols = torch.arange(nb * 8, device=device)
+    entry = (cand.long()[:, cols // 8] * 8 + cols % 8).clamp_min(0)
+    bound = dense_bound.gather(1, entry)
+    rel, frac = _tols(mode)
+    if dtype == torch.float32:
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(got))
+        assert bool(((got[fin] - want[fin]).abs() <= rel * bound[fin] + 1e-30).all())
+    else:
+        check_scores(got, want, bound, frac, rel)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    hit = tot = 0
+    for x, y in zip(a.cpu().tolist(), b.cpu().tolist()):
+        sx, sy = {i for i in x if i >= 0}, {i for i in y if i >= 0}
+        hit += len(sx & sy)
+        tot += max(len(sx), len(sy))
+    return hit / tot if tot else 1.0
+
+
+@pytest.mark.parametrize("T,H,R,E,ratio,bs,k,kb", shapes(
+    [(4, 4, 2, 300, 2, 16, 8, 6), (3, 4, 3, 150, 1, 16, 20, 4)],
+    [(64, 32, 64, 131072, 2, 64, 512, 2048), (256, 32, 256, 8192, 1, 64, 512, 2048),
+     (32, 32, 4, 40000, 2, 64, 512, 2048)],
+))
+def test_indexer_topk_end_to_end(device, T, H, R, E, ratio, bs, k, kb):
+    g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=k + kb)
+    q, w = make_queries(device, g, T, H, torch.bfloat16)
+    kw = dict(ratio=ratio, block_size=bs, topk=k, candidate_topk_blocks=kb)
+    idx, kept = indexer_topk(q, w, cache, bt, req, vis, candidate_source=True, **kw)
+    scores = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs)
+    # exact given the kernel's own scores
+    assert torch.equal(idx.cpu().long(), ref.topk_indices(scores.cpu(), k, vis.cpu()))
+    assert torch.equal(kept.cpu().long(), ref.candidate_blocks(scores.cpu(), vis.cpu(), 8, kb))
+    # close to the full reference pipeline
+    ref_idx, ref_kept = ref.indexer_topk(q, w, cache, bt, req, vis, candidate_source=True, **kw)
+    assert _overlap(idx, ref_idx) >= 0.95
+    assert _overlap(kept, ref_kept) >= 0.95
+    # reindex layer: sparse scores over the kept blocks, exact vs select_topk on them
+    idx2, none = indexer_topk(q, w, cache, bt, req, vis, candidates=kept, **kw)
+    assert none is None
+    compact = index_scores_paged_sparse(q, w, cache, bt, req, vis, ratio, bs, kept, 8)
+    n = scores.shape[1]
+    scattered = torch.full((T, n + 8), NEG, device=device)
+    cols = torch.arange(compact.shape[1], device=device)
+    entry = kept.long()[:, cols // 8] * 8 + cols % 8
+    entry = torch.where((entry >= 0) & (entry < n), entry, torch.full_like(entry, n))
+    scattered.scatter_(1, entry, compact)
+    want2 = ref.topk_indices(scattered[:, :n].cpu(), k)
+    assert torch.equal(idx2.cpu().long(), want2)
+    # and it is the candidate-masked selection of the dense scores (same per-key arithmetic)
+    mask = ref.candidate_mask_from_blocks(kept.cpu(), vis.cpu(), n, 8)
+    masked = ref.topk_indices(scores.cpu().masked_fill(~mask, NEG), k)
+    assert _overlap(idx2, masked) >= 0.99

@@ -1,0 +1,45 @@
+"""Run the tiny model through the harness on the Triton kernel path (subprocess of
+``test_kernel_path_interpreted``; needs TRITON_INTERPRET=1 on a CPU).
+
+usage: kernel_path_run.py CHECKPOINT OUT.pt
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from v41_harness import PagedHarness
+
+from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
+
+SCHEDULE = [("a", 0, 23), ("b", 0, 9), ("a", 23, 40), ("b", 9, 31), ("a", 40, 41), ("b", 31, 32), ("a", 41, 42)]
+
+
+def prompts() -> dict[str, list[int]]:
+    out = {}
+    for rid, n, seed in (("a", 42, 11), ("b", 32, 12)):
+        g = torch.Generator().manual_seed(seed)
+        out[rid] = torch.randint(3, 120000, (n,), generator=g).tolist()
+    return out
+
+
+def main(checkpoint: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    harness = PagedHarness(checkpoint, dtype="float32")
+    p = prompts()
+    logits = {"a": [], "b": []}
+    # Two requests, interleaved prefill chunks that split ratio-2 pairs, then decode steps.
+    for step in ([SCHEDULE[0], SCHEDULE[1]], [SCHEDULE[2], SCHEDULE[3]], [SCHEDULE[4], SCHEDULE[5]], [SCHEDULE[6]]):
+        chunks = [(rid, p[rid][a:b]) for rid, a, b in step]
+        out = harness.step(chunks)
+        i = 0
+        for rid, a, b in step:
+            logits[rid].append(out[i : i + b - a])
+            i += b - a
+    used = {m._kernels for m in harness.model.modules() if isinstance(m, V41Attention)}
+    torch.save({"used": sorted(used), **{k: torch.cat(v) for k, v in logits.items()}}, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
