@@ -184,7 +184,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         attn_metadata = get_forward_context().attn_metadata
         if not attn_metadata:
             # Profiling / dummy run without caches: nothing to attend to.
-            return torch.zeros(positions.shape[0], arch.hidden_size, dtype=self.dtype)
+            return torch.zeros(positions.shape[0], arch.hidden_size, dtype=self.dtype, device=positions.device)
         state = StepState.from_metadata(attn_metadata, next(iter(self.cache_layers)))
         T = state.num_tokens
         input_ids = input_ids[:T]
@@ -208,7 +208,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         h = rms_norm(hc_collapse(streams, pre), self.norm, arch.rms_norm_eps)
         # Rows a compact prefill dropped are never sampled (their request's
         # last row is always kept); they come out as zeros.
-        out = torch.zeros(positions.shape[0], arch.hidden_size, dtype=h.dtype)
+        out = torch.zeros(positions.shape[0], arch.hidden_size, dtype=h.dtype, device=h.device)
         out[rows] = h
         return out
 
