@@ -35,7 +35,10 @@ every tile waited for two dependent DRAM round trips (block table, then records)
 prefetches the next tile's record and scale rows into L2 (``prefetch.global.L2``, GPU only),
 capped at 168 registers (3 CTAs/SM, no spill); ``prefetch=2`` carries the next tile's bytes
 in registers instead (Triton then moves them through shared memory byte by byte: 1118
-instructions per tile, 196 registers); ``prefetch=0`` is the old loop. Mode 3 (fp8 wgmma)
+instructions per tile, 196 registers); ``prefetch=0`` is the old loop. Measured on the H200
+(Triton 3.6), prefetch=1 gained only 5-7 % (B=256 x 131072 keys: 2.68 ms vs 2.86 ms, 21 % of
+copy bandwidth) and prefetch=2 lost 35 %: the kernel stays issue- and latency-bound (see
+benchmarks/README.md for the next steps). Mode 3 (fp8 wgmma)
 was removed: Hopper's fp8 tensor cores accumulate with too few bits for the fp32 bound.
 An exact int8 formulation (2 x e2m1 codes, one int32 dot per 32-group) was considered and
 not built: it needs 4 int32 accumulators per (key, head) and their exact conversion and
