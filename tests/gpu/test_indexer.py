@@ -83,9 +83,9 @@ LARGE = [
     (128, 32, 16, 16384, 2, 64),  # 8 tokens per request (speculative verification / chunks)
 ]
 # (mode, perm, prefetch)
-MODES = [(0, True, 1), (0, False, 1), (0, True, 0), (0, True, 2), (2, True, 1), (2, True, 0)]
+MODES = [(0, True, 1), (0, False, 1), (0, True, 0), (0, True, 2), (2, True, 1), (2, True, 0), (3, True, 1), (3, True, 0)]
 MODES += [] if INTERPRET else [(1, True, 1), (1, True, 0)]
-LARGE_MODES = {(0, True, 1), (0, True, 0), (0, True, 2)}  # default candidates; the rest: small shapes
+LARGE_MODES = {(0, True, 1), (0, True, 0), (0, True, 2), (3, True, 1)}  # default candidates; the rest: small shapes
 
 
 def _variant_cases(small, large):
@@ -133,6 +133,60 @@ def test_scores_vs_reference(device, mode, perm, prefetch, T, H, R, E, ratio, bs
                 assert bool(((got[fin] - want[fin]).abs() <= rel * bound[fin] + 1e-30).all())
             else:
                 check_scores(got, want, bound, frac, rel)
+
+
+@pytest.mark.parametrize("mode", [0, 3])
+@pytest.mark.parametrize("T,H,R,E,ratio,bs", shapes([(4, 4, 2, 300, 2, 16)], [(64, 32, 16, 20000, 2, 64)]))
+def test_scores_wide_scale_spread(device, mode, T, H, R, E, ratio, bs):
+    """Scale bytes anywhere in 2^-126 .. 2^72: blocks of one key up to 198 binades apart (mode 3
+    rescales each key by its largest block and must keep the small blocks' share)."""
+    g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=11, scales=(1, 200))
+    q, w = make_queries(device, g, T, H, torch.bfloat16)
+    bound = score_bound(q, w, cache, bt, req, vis, ratio, bs, E)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, out_dtype, max_visible=E, mode=mode)
+        want = ref.index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, out_dtype, max_visible=E)
+        if out_dtype == torch.float32:
+            fin = torch.isfinite(want)
+            assert torch.equal(fin, torch.isfinite(got))
+            assert bool(((got[fin] - want[fin]).abs() <= 1e-5 * bound[fin] + 1e-30).all())
+        else:
+            check_scores(got, want, bound, 0.98)
+
+
+@pytest.mark.parametrize("i16,prefetch,block_n,tiles", [
+    (False, 1, None, None), (True, 1, None, None), (True, 1, 64, 3), (True, 0, 64, 2), (True, 2, None, None),
+])
+@pytest.mark.parametrize("T,H,R,E,ratio,bs", shapes([(5, 32, 3, 200, 1, 64), (4, 4, 2, 300, 2, 16)],
+                                                    [(64, 32, 64, 32768, 2, 64)]))
+def test_scores_fp16_decode_variants(device, i16, prefetch, block_n, tiles, T, H, R, E, ratio, bs):
+    """Mode 3's record reads (bytes / int16 words) and pipelines give the same scores as mode 0."""
+    g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=E + tiles if tiles else E)
+    q, w = make_queries(device, g, T, H, torch.bfloat16)
+    kw = dict(max_visible=E + 5, block_n=block_n, tiles=tiles)
+    want = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, torch.float32, mode=0, **kw)
+    got = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, torch.float32, mode=3, i16=i16,
+                             prefetch=prefetch, **kw)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    bound = score_bound(q, w, cache, bt, req, vis, ratio, bs, E + 5)
+    assert bool(((got[fin] - want[fin]).abs() <= 1e-5 * bound[fin] + 1e-30).all())
+
+
+def test_scores_odd_block_stride(device):
+    """An odd page stride cannot be read as int16 words: mode 3 reads bytes (and says so if forced)."""
+    g = torch.Generator().manual_seed(5)
+    cache, bt = make_cache(device, g, 2, 200, 2, 16, pad=49)
+    req, vis = torch.tensor([0, 1], device=device), torch.tensor([200, 77], device=device)
+    q, w = make_queries(device, g, 2, 4, torch.bfloat16)
+    want = ref.index_scores_paged(q, w, cache, bt, req, vis, 2, 16, torch.float32)
+    got = index_scores_paged(q, w, cache, bt, req, vis, 2, 16, torch.float32)
+    bound = score_bound(q, w, cache, bt, req, vis, 2, 16)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert bool(((got[fin] - want[fin]).abs() <= 1e-5 * bound[fin] + 1e-30).all())
+    with pytest.raises(ValueError, match="even base address"):
+        index_scores_paged(q, w, cache, bt, req, vis, 2, 16, i16=True)
 
 
 def test_scores_default_sizes_and_short_rows(device):

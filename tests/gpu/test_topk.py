@@ -140,6 +140,8 @@ def test_topk_lengths(device, T, N, k, method, s1):
     lengths[0] = 0
     lengths[-1] = N + 5  # longer than the row: clamped
     s_dev = s.to(device)
+    if s1 is not None and not reg_fits(N, k, s1):  # long rows: the register path picks its own s1
+        s1 = None
     kw = dict(method=method, s1=s1)
     _check(s_dev, k, lengths.to(device), **kw)
     # entries past lengths are never read: NaN there changes nothing

@@ -12,40 +12,48 @@ cores (M = keys, N = heads), then ReLU, the head weights and the head sum in fp3
 rounds the score once to the model dtype (returned as fp32). Keys are decoded in registers;
 ``mode`` picks how:
 
-* 0 (default for bf16/fp16 queries): ``tl.dot_scaled`` with the packed e2m1 keys and their
-  UE8M0 scales on the left and bf16 ``Q^T`` on the right; on Hopper Triton upcasts the keys
-  to bf16 (exact: e2m1 x 2^e) and uses bf16 wgmma. ``perm`` reorders the K dimension (keys
-  and ``Q^T`` alike; a dot product does not care) so that the 4 record bytes a thread needs
-  for its wgmma A fragment are contiguous: the shared-memory transpose then moves 16-byte
-  vectors instead of single bytes (about 15 % fewer instructions per key on sm90).
+* 3 (default for bf16/fp16 queries): fp16 wgmma on exactly converted operands. Each key is
+  split into its largest block scale ``2^(emax - 127)`` and the fp16 values ``e2m1 *
+  2^-(emax - e_b)`` (exact down to 30 binades below ``emax``; smaller blocks are below an
+  fp32 sum's rounding anyway). The codes are decoded with a few integer ops per 4 bytes
+  into e4m3 bit patterns, widened by ``cvt.rn.f16x2.e4m3x2`` and scaled by
+  ``mul.rn.f16x2`` (``_e2m1_quads_f16``: ~2 instructions per value). ``Q^T`` is divided
+  per head by a power of two so that it fits fp16 exactly, which is folded into the head
+  weight; ``emax`` is applied to the head sum. ``i16`` reads the records as int16 words (a
+  thread's wgmma A pair is then 4 contiguous bytes: no byte shuffles).
+* 0: ``tl.dot_scaled`` with the packed e2m1 keys and their UE8M0 scales on the left and bf16
+  ``Q^T`` on the right; on Hopper Triton upcasts the keys to bf16 (exact: e2m1 x 2^e) with
+  about 840 instructions per key. ``perm`` reorders the K dimension (keys and ``Q^T`` alike;
+  a dot product does not care) so that the shared-memory transpose moves 16-byte vectors.
+  The fallback if mode 3 does not compile.
 * 1: keys decoded arithmetically to fp32 bit patterns, cast to bf16, two K = 64 dots (even /
-  odd dims) - a fallback if ``dot_scaled`` does not compile (then picked automatically).
+  odd dims) - the fallback if ``dot_scaled`` does not compile either.
 * 2 (default for fp32 queries): as 1 but fp32 with IEEE dots, the interpreter-friendly path.
 
-The query must hold MXFP4-dequantised values (the model's ``mxfp4_qdq``), so its cast to
-bf16 is exact whatever the input dtype. Limitations: a UE8M0 byte of 0 (2^-127,
-never written by the MXFP4 encoder, whose smallest scale is 2^-126) decodes as 0 in mode
-0 and as garbage in modes 1/2; modes 1/2 also flush the subnormal value 0.5 * 2^-126 of
-scale byte 1. Both are far below anything the rounding of a score can see.
+Modes 0 and 3 give bit-identical scores on the benchmark's inputs (products are exact, the
+sums are fp32 in both). The query must hold MXFP4-dequantised values (the model's
+``mxfp4_qdq``), so its casts are exact whatever the input dtype. Limitations: a UE8M0 byte
+of 0 (2^-127, never written by the MXFP4 encoder, whose smallest scale is 2^-126) decodes
+as 0 in mode 0 and as garbage in modes 1/2; modes 1/2 also flush the subnormal value 0.5 *
+2^-126 of scale byte 1. Both are far below anything the rounding of a score can see.
 
-Tile pipeline (``prefetch``): the first GPU run (no pipeline) reached only ~12 G keys/s where
-the sm90 SASS (843 instructions per 128-key tile per thread, i.e. ~840 per key) allows ~40:
-every tile waited for two dependent DRAM round trips (block table, then records) with only
-3 CTAs of 4 warps per SM. ``prefetch=1`` (default) loads the block ids two tiles ahead and
-prefetches the next tile's record and scale rows into L2 (``prefetch.global.L2``, GPU only),
-capped at 168 registers (3 CTAs/SM, no spill); ``prefetch=2`` carries the next tile's bytes
-in registers instead (Triton then moves them through shared memory byte by byte: 1118
-instructions per tile, 196 registers); ``prefetch=0`` is the old loop. Measured on the H200
-(Triton 3.6), prefetch=1 gained only 5-7 % (B=256 x 131072 keys: 2.68 ms vs 2.86 ms, 21 % of
-copy bandwidth) and prefetch=2 lost 35 %: the kernel stays issue- and latency-bound (see
-benchmarks/README.md for the next steps). Mode 3 (fp8 wgmma)
-was removed: Hopper's fp8 tensor cores accumulate with too few bits for the fp32 bound.
-An exact int8 formulation (2 x e2m1 codes, one int32 dot per 32-group) was considered and
-not built: it needs 4 int32 accumulators per (key, head) and their exact conversion and
-scaling (~3 instructions each, I2F is quarter rate) = ~380 instructions per key in the
-epilogue alone, no better than today's total. Tokens of the same request (prefill chunks,
-speculative verification) re-read the same keys: grouping a request's tokens into the N
-dimension would decode each key once per group (not done here).
+Tile pipeline (``prefetch``): ``prefetch=1`` (default) loads the block ids two tiles ahead
+and prefetches the next tile's records into L2 (``prefetch.global.L2``, GPU only);
+``prefetch=2`` carries the next tile's bytes in registers; ``prefetch=0`` is the plain loop.
+Measured on the H200 (Triton 3.6, B=256 x 131072 keys; benchmarks/README.md has the log):
+mode 0 2.68 ms (21 % of copy bandwidth, ~840 instructions per key); mode 3 with byte
+loads 1.69 ms, + int16 words 1.45 ms, + 2048 keys per program and 4 CTAs/SM (maxnreg 128)
+1.27 ms (45 %, ~630 instructions per key). Tried without gain: loading dense tiles page by
+page (one address per page: same time), Triton's pipeliner (``tl.range(num_stages)``: the
+loads became per-element cp.async, 2.0 ms) and ``tl.range(warp_specialize=True)`` (the sm90
+code came out unchanged). The kernel stays bound by
+instruction issue (the decode alone is ~270 instructions per key) and latency: the rest of
+the way to the copy ceiling needs warp-specialised producer/consumer code (Gluon or CUDA).
+Rejected: fp8 wgmma (Hopper's fp8 tensor cores accumulate with too few bits for the fp32
+bound) and int8 codes (4 int32 accumulators per (key, head) to convert and scale).
+Tokens of the same request (prefill chunks, speculative verification) re-read the same
+keys: grouping a request's tokens into the N dimension would decode each key once per
+group (not done here).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.paged_indexer import IndexerOps, check_index_cache, run_indexer_pipeline
+from deepinfer_vllm.ops.triton.e2m1 import e2m1_pairs_f16, e2m1_quads_f16, e2m1_scaled
 from deepinfer_vllm.ops.triton.topk import candidate_blocks, topk_indices
 
 __all__ = [
@@ -68,20 +77,17 @@ __all__ = [
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Default decode for bf16/fp16 queries and default software pipelining (see the module
 # docstring); a mode that fails to compile on this Triton is recorded here and skipped (0 -> 1).
-DEFAULT_MODE = 0
+DEFAULT_MODE = 3
 DEFAULT_PREFETCH = 1
 _FAILED: dict[int | str, bool] = {}
+_FALLBACK = {3: 0, 0: 1}  # the next decode to try when one fails to compile
 
 
 @triton.jit
-def _e2m1_scaled(nib, sc, OUT: tl.constexpr):
-    """e2m1 code (low nibble) times 2^(sc - 127), built as fp32 bits, cast to ``OUT`` (exact)."""
-    n = nib.to(tl.int32)
-    mag = n & 7
-    ebits = (sc.to(tl.int32) - 1) << 23
-    bits = tl.where(mag >= 2, (mag << 22) + ebits, tl.where(mag == 1, ebits, 0))
-    bits = bits | ((n & 8) << 28)
-    return bits.to(tl.float32, bitcast=True).to(OUT)
+def _pow2_f16_bits(r):
+    """fp16 bits of 2^(6 - r) for r >= 0 (subnormal from r = 21, 0 past r = 30)."""
+    sub = 1 << tl.minimum(tl.maximum(30 - r, 0), 30)
+    return tl.where(r <= 20, (21 - r) << 10, tl.where(r <= 30, sub, 0))
 
 
 @triton.jit
@@ -121,7 +127,7 @@ def _tile_blocks(j, valid, bt_row, PAGE_N: tl.constexpr):
 
 @triton.jit
 def _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N: tl.constexpr, D: tl.constexpr,
-               MODE: tl.constexpr):
+               MODE: tl.constexpr, I16: tl.constexpr):
     """Issue the loads of the records of entries ``j``: packed values ``[BLOCK_N, D / 2]`` and
     scale bytes (``[BLOCK_N, D / 32]`` for mode 0, one per value byte for modes 1/2)."""
     VB: tl.constexpr = D // 2
@@ -131,8 +137,12 @@ def _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N: tl.constexpr, D: tl
     slot = j % PAGE_N
     vptr = page + slot * VB
     sptr = page + PAGE_N * VB + slot * SB
-    vals = tl.load(vptr[:, None] + vv[None, :], mask=valid[:, None], other=0)
-    if MODE == 0:
+    if I16:  # int16 words (4 codes each): a thread's wgmma A pair is then 4 contiguous bytes
+        ww = tl.arange(0, D // 4)
+        vals = tl.load(vptr.to(tl.pointer_type(tl.int16))[:, None] + ww[None, :], mask=valid[:, None], other=0)
+    else:
+        vals = tl.load(vptr[:, None] + vv[None, :], mask=valid[:, None], other=0)
+    if MODE == 0 or MODE == 3:
         scl = tl.load(sptr[:, None] + tl.arange(0, SB)[None, :], mask=valid[:, None], other=127)
     else:
         scl = tl.load(sptr[:, None] + (vv // 16)[None, :], mask=valid[:, None], other=127)
@@ -154,7 +164,7 @@ def _l2_prefetch(cache_ptr, stride_blk, blk, j, valid, PAGE_N: tl.constexpr, D: 
 
 @triton.jit
 def _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 MODE: tl.constexpr, PERM: tl.constexpr):
+                 MODE: tl.constexpr, PERM: tl.constexpr, ASM: tl.constexpr, I16: tl.constexpr):
     """``sum_h w_h relu(q_h . k)`` of one tile of keys, fp32 ``[BLOCK_N]``."""
     if MODE == 0:
         if PERM:
@@ -165,13 +175,33 @@ def _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N: tl.constexpr, D: 
         qT = tl.trans(tl.load(q_ptrs, mask=hmask[:, None], other=0.0).to(tl.bfloat16))
         acc = tl.dot_scaled(vals, scl, "e2m1", qT, None, "bf16")
     elif MODE == 1:
-        lo = _e2m1_scaled(vals & 15, scl, tl.bfloat16)
-        hi = _e2m1_scaled(vals >> 4, scl, tl.bfloat16)
+        lo = e2m1_scaled(vals & 15, scl, tl.bfloat16)
+        hi = e2m1_scaled(vals >> 4, scl, tl.bfloat16)
         acc = tl.dot(lo, qe) + tl.dot(hi, qo)
-    else:
-        lo = _e2m1_scaled(vals & 15, scl, tl.float32)
-        hi = _e2m1_scaled(vals >> 4, scl, tl.float32)
+    elif MODE == 2:
+        lo = e2m1_scaled(vals & 15, scl, tl.float32)
+        hi = e2m1_scaled(vals >> 4, scl, tl.float32)
         acc = tl.dot(lo, qe, input_precision="ieee") + tl.dot(hi, qo, input_precision="ieee")
+    else:
+        # Each key relative to its largest block scale: k = 2^(emax - 127) * k', with k' =
+        # e2m1 * 2^-(emax - e_b) exact in fp16; that power of two leaves after the head sum.
+        e = scl.to(tl.int32)
+        emax = tl.max(e, 1)
+        fb = _pow2_f16_bits(emax[:, None] - e).to(tl.int16).to(tl.float16, bitcast=True)
+        if I16:  # code n of word m is dim 4 m + n; Q^T planes qe = (n = 0, 1), qo = (n = 2, 3)
+            f = tl.reshape(tl.broadcast_to(fb[:, :, None], (BLOCK_N, D // 32, 8)), (BLOCK_N, D // 4))
+            c0, c1, c2, c3 = e2m1_quads_f16(vals, f, ASM)
+            acc = tl.dot(c0, qe[0])
+            acc = tl.dot(c1, qe[1], acc)
+            acc = tl.dot(c2, qo[0], acc)
+            acc = tl.dot(c3, qo[1], acc)
+        else:
+            f = tl.reshape(tl.broadcast_to(fb[:, :, None], (BLOCK_N, D // 32, 16)), (BLOCK_N, D // 2))
+            lo, hi = e2m1_pairs_f16(vals, f, ASM)
+            acc = tl.dot(lo, qe)
+            acc = tl.dot(hi, qo, acc)
+        rowscale = tl.where(emax > 0, emax << 23, 1 << 22).to(tl.float32, bitcast=True)
+        return tl.sum(tl.maximum(acc, 0.0) * w[None, :], 1) * rowscale
     return tl.sum(tl.maximum(acc, 0.0) * w[None, :], 1)
 
 
@@ -197,7 +227,7 @@ def _index_scores_kernel(
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE_N: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, CB: tl.constexpr,
     SPARSE: tl.constexpr, ROUND: tl.constexpr, MODE: tl.constexpr, PERM: tl.constexpr,
-    PREFETCH: tl.constexpr, L2PF: tl.constexpr,
+    PREFETCH: tl.constexpr, L2PF: tl.constexpr, ASM: tl.constexpr, I16: tl.constexpr,
 ):
     VB: tl.constexpr = D // 2  # packed value bytes per record
     pid = tl.program_id(0)
@@ -234,6 +264,34 @@ def _index_scores_kernel(
         if MODE == 0:
             qe = w
             qo = w
+        elif MODE == 3:
+            # Q^T in fp16, each head divided by the power of two p_h <= its largest |q| (exact:
+            # MXFP4 values carry 2 significant bits), p_h folded into the head weight.
+            if I16:
+                jj = tl.arange(0, D // 4)
+                qb = q_row + hh[None, :] * stride_qh + 4 * jj[:, None]  # [D / 4, HP]: dims 4 m + n
+                q0 = tl.load(qb, mask=hmask[None, :], other=0.0).to(tl.float32)
+                q1 = tl.load(qb + 1, mask=hmask[None, :], other=0.0).to(tl.float32)
+                q2 = tl.load(qb + 2, mask=hmask[None, :], other=0.0).to(tl.float32)
+                q3 = tl.load(qb + 3, mask=hmask[None, :], other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), 0), tl.max(tl.abs(q1), 0)),
+                                  tl.maximum(tl.max(tl.abs(q2), 0), tl.max(tl.abs(q3), 0)))
+            else:
+                vv = tl.arange(0, VB)
+                qe_ptrs = q_row + hh[None, :] * stride_qh + 2 * vv[:, None]  # [D / 2, HP]: even dims
+                qe = tl.load(qe_ptrs, mask=hmask[None, :], other=0.0).to(tl.float32)
+                qo = tl.load(qe_ptrs + 1, mask=hmask[None, :], other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(qe), 0), tl.max(tl.abs(qo), 0))
+            pbits = tl.where(amax >= 1.1754943508222875e-38,
+                             tl.minimum(amax.to(tl.int32, bitcast=True) & 0x7F800000, 253 << 23), 127 << 23)
+            inv = ((254 << 23) - pbits).to(tl.float32, bitcast=True)
+            if I16:
+                qe = ((q0 * inv[None, :]).to(tl.float16), (q1 * inv[None, :]).to(tl.float16))
+                qo = ((q2 * inv[None, :]).to(tl.float16), (q3 * inv[None, :]).to(tl.float16))
+            else:
+                qe = (qe * inv[None, :]).to(tl.float16)
+                qo = (qo * inv[None, :]).to(tl.float16)
+            w = w * pbits.to(tl.float32, bitcast=True)
         else:
             CDT: tl.constexpr = tl.bfloat16 if MODE == 1 else tl.float32
             vv = tl.arange(0, VB)
@@ -252,14 +310,14 @@ def _index_scores_kernel(
                                    CB, SPARSE, True)
             b0 = _tile_blocks(j0, v0, bt_row, PAGE_N)
             b1 = _tile_blocks(j1, v1, bt_row, PAGE_N)
-            vals, scl = _tile_load(cache_ptr, stride_blk, b0, j0, v0, PAGE_N, D, MODE)
+            vals, scl = _tile_load(cache_ptr, stride_blk, b0, j0, v0, PAGE_N, D, MODE, I16)
             for it in range(TILES):
                 c = c_first + it * BLOCK_N + ar
-                vals_n, scl_n = _tile_load(cache_ptr, stride_blk, b1, j1, v1, PAGE_N, D, MODE)
+                vals_n, scl_n = _tile_load(cache_ptr, stride_blk, b1, j1, v1, PAGE_N, D, MODE, I16)
                 b2 = _tile_blocks(j2, v2, bt_row, PAGE_N)
                 j3, v3 = _tile_entries(c + 3 * BLOCK_N, c_end, t, vis, n_cols, cand_ptr, stride_cand,
                                        CB, SPARSE, True)
-                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM)
+                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM, ASM, I16)
                 _store_scores(out_row, c, score, v0, n_cols, ROUND)
                 vals, scl, v0 = vals_n, scl_n, v1
                 j1, v1, b1 = j2, v2, b2
@@ -282,8 +340,8 @@ def _index_scores_kernel(
                 b2 = _tile_blocks(j2, v2, bt_row, PAGE_N)
                 if not SPARSE:  # in range: the same validity without the range test (fewer registers)
                     j0, v0 = _tile_entries(c, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE, False)
-                vals, scl = _tile_load(cache_ptr, stride_blk, b0, j0, v0, PAGE_N, D, MODE)
-                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM)
+                vals, scl = _tile_load(cache_ptr, stride_blk, b0, j0, v0, PAGE_N, D, MODE, I16)
+                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM, ASM, I16)
                 _store_scores(out_row, c, score, v0, n_cols, ROUND)
                 j0, v0, b0 = j1, v1, b1
                 j1, v1, b1 = j2, v2, b2
@@ -292,8 +350,8 @@ def _index_scores_kernel(
                 c = c_first + it * BLOCK_N + ar
                 j, valid = _tile_entries(c, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE, False)
                 blk = _tile_blocks(j, valid, bt_row, PAGE_N)
-                vals, scl = _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N, D, MODE)
-                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM)
+                vals, scl = _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N, D, MODE, I16)
+                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM, ASM, I16)
                 _store_scores(out_row, c, score, valid, n_cols, ROUND)
 
 
@@ -343,7 +401,7 @@ def _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, blo
 
 
 def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
-            out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out):
+            out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16=None):
     T, H, D = q.shape
     if out is None:
         out = torch.empty(T, n_cols, dtype=torch.float32, device=q.device)
@@ -358,22 +416,27 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
         raise TypeError(f"out_dtype must be fp32/bf16/fp16, got {out_dtype}")
     if mode is None:
         mode = 2 if q.dtype == torch.float32 else DEFAULT_MODE
-    if mode not in (0, 1, 2):
-        raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16) or 2 (fp32), got {mode}")
-    if _FAILED.get(mode) and q.is_cuda:
-        mode = 1
+    if mode not in (0, 1, 2, 3):
+        raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16), 2 (fp32) or 3 (fp16), got {mode}")
+    while _FAILED.get(mode) and q.is_cuda and mode in _FALLBACK:
+        mode = _FALLBACK[mode]
     prefetch = DEFAULT_PREFETCH if prefetch is None else int(prefetch)
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0 (none), 1 (L2) or 2 (registers), got {prefetch}")
     block_n = block_n or (32 if mode == 2 else 128)  # fp32 FMA dots spill beyond 32 keys
-    if tiles is None:  # up to 1024 keys per program (Q^T and w loaded once), >= 4 programs per SM
+    if tiles is None:  # up to 2048 keys per program (Q^T and w loaded once), >= 4 programs per SM
         n_tiles = T * triton.cdiv(n_cols, block_n)
-        tiles = max(1, min(1024 // block_n, n_tiles // (4 * _num_sms(q.device))))
+        tiles = max(1, min(2048 // block_n, n_tiles // (4 * _num_sms(q.device))))
     num_warps = num_warps or 4
-    if maxnreg is None:  # 3 CTAs of 4 warps per SM for the pipelined mode-0 tile (205 -> 164 regs, no spill)
-        maxnreg = 168 if (mode, prefetch, block_n, num_warps) == (0, 1, 128, 4) else 0
+    if maxnreg is None:  # mode 0: 3 CTAs of 4 warps per SM (205 -> 164 regs); mode 3: 4 CTAs (163 -> 128)
+        maxnreg = {0: 168, 3: 128}.get(mode, 0) if (prefetch, block_n, num_warps) == (1, 128, 4) else 0
     grid = (triton.cdiv(n_cols, block_n * tiles), T)
     sparse = cand is not None
+    # mode 3 reads int16 words when every record starts on an even address
+    even = index_cache.data_ptr() % 2 == 0 and index_cache.stride(0) % 2 == 0
+    i16 = (mode == 3 and even) if i16 is None else bool(i16)
+    if i16 and (mode != 3 or not even):
+        raise ValueError("i16 needs mode 3 and an index cache with even base address and block stride")
     if sparse and block_n % cand_block:
         raise ValueError(f"block_n {block_n} must be a multiple of the candidate block {cand_block}")
     cptr = cand if sparse else block_table
@@ -381,6 +444,7 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
         H=H, HP=max(16, triton.next_power_of_2(H)), D=D, PAGE_N=page_n,
         BLOCK_N=block_n, TILES=tiles, CB=cand_block if sparse else 1,
         SPARSE=sparse, ROUND=_ROUND[out_dtype], PERM=perm, PREFETCH=prefetch, num_warps=num_warps,
+        I16=i16,
     )
     args = (
         q, q.stride(0), q.stride(1), w, w.stride(0),
@@ -392,7 +456,7 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
     while True:
         extra = {"maxnreg": maxnreg} if maxnreg else {}
         try:
-            _index_scores_kernel[grid](*args, MODE=mode, L2PF=l2pf, **kwargs, **extra)
+            _index_scores_kernel[grid](*args, MODE=mode, L2PF=l2pf, ASM=q.is_cuda, **kwargs, **extra)
             return out
         except Exception as exc:  # pragma: no cover - a Triton that cannot lower an option
             if not q.is_cuda:
@@ -402,8 +466,9 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
                 what, maxnreg = "maxnreg", 0
             elif l2pf and prefetch == 1:
                 what, l2pf = "l2pf", False
-            elif mode == 0:
-                what, mode = 0, 1
+            elif mode in _FALLBACK:
+                what, mode = mode, _FALLBACK[mode]
+                kwargs.update(I16=False)
             else:
                 raise
             _FAILED[what] = True
@@ -430,6 +495,7 @@ def index_scores_paged(
     perm: bool = True,
     prefetch: int | None = None,
     maxnreg: int | None = None,
+    i16: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores of every token over its request's paged index keys -> fp32 ``[T, n_cols]``.
@@ -443,7 +509,7 @@ def index_scores_paged(
     if max_visible is None:
         max_visible = int(visible.max()) if visible.numel() else 0
     return _launch(q, w, index_cache, block_table, token_req, visible, page_n, None, 1, int(max_visible),
-                   out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out)
+                   out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16)
 
 
 def index_scores_paged_sparse(
@@ -466,6 +532,7 @@ def index_scores_paged_sparse(
     perm: bool = True,
     prefetch: int | None = None,
     maxnreg: int | None = None,
+    i16: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores of the kept candidate blocks' entries only -> compact fp32 ``[T, nb * B]``.
@@ -484,7 +551,7 @@ def index_scores_paged_sparse(
         raise ValueError(f"cand_block_size must be a power of two, got {cand_block_size}")
     n_cols = cand_blocks.shape[1] * cand_block_size
     return _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand_blocks, cand_block_size,
-                   n_cols, out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out)
+                   n_cols, out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16)
 
 
 def indexer_topk(

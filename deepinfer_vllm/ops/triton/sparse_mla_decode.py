@@ -34,6 +34,8 @@ Performance notes (H200, bf16; SASS inspected offline, timings by the benchmark)
   tile stay exposed (one CTA per SM: nothing else hides them). ``prefetch`` issues
   the chain a tile ahead in registers instead (index loads only, or also the record
   bytes); it costs registers (the [64, 512] fp32 accumulator already holds half).
+* ``tl.range(warp_specialize=True)`` on the key loop compiles to the same sm90 code as
+  without it (Triton 3.6): the dequantise/MMA overlap has to be written by hand (Gluon/CUDA).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer_vllm.ops.triton.e2m1 import e2m1_pairs_f16
 
 __all__ = ["DecodeConfig", "auto_splits", "default_config", "sparse_mla_decode"]
 
@@ -111,57 +115,6 @@ def _mxfp8_tile(page, off, ok, D: tl.constexpr, N: tl.constexpr,
     return _mxfp8_dequant(v, s, BLOCK_N, BLOCK_D, TILE_DTYPE)
 
 
-# PTX for 4 packed NVFP4 bytes -> 8 bf16 values (SM89+ for the e4m3 conversion).
-# In: $4 = 4 bytes; $5, $6 = f16x2 scales * 64 of bytes (0, 1) and (2, 3).
-# Out: $0, $1 = bf16x2 low-nibble values of bytes (0, 1), (2, 3); $2, $3 high nibbles.
-# A nibble becomes the e4m3 byte of value / 64 (magnitude bits -> bits 2..4, sign ->
-# bit 7), hardware converts e4m3 pairs to f16 pairs exactly, the f16 multiply by
-# scale * 64 is exact (<= 5 significant bits, within f16's normal range), and so are
-# the f16 -> f32 -> bf16 conversions.
-_NVFP4_ASM = tl.constexpr("""
-{
-.reg .b32 lo, hi, t, u, fl0, fl1, fh0, fh1;
-.reg .b16 l0, l1, h0, h1, x, y;
-.reg .f32 a, b;
-and.b32 t, $4, 0x07070707;
-shl.b32 t, t, 2;
-and.b32 u, $4, 0x08080808;
-shl.b32 u, u, 4;
-or.b32 lo, t, u;
-shr.b32 t, $4, 2;
-and.b32 t, t, 0x1C1C1C1C;
-and.b32 u, $4, 0x80808080;
-or.b32 hi, t, u;
-mov.b32 {l0, l1}, lo;
-mov.b32 {h0, h1}, hi;
-cvt.rn.f16x2.e4m3x2 fl0, l0;
-cvt.rn.f16x2.e4m3x2 fl1, l1;
-cvt.rn.f16x2.e4m3x2 fh0, h0;
-cvt.rn.f16x2.e4m3x2 fh1, h1;
-mul.rn.f16x2 fl0, fl0, $5;
-mul.rn.f16x2 fl1, fl1, $6;
-mul.rn.f16x2 fh0, fh0, $5;
-mul.rn.f16x2 fh1, fh1, $6;
-mov.b32 {x, y}, fl0;
-cvt.f32.f16 a, x;
-cvt.f32.f16 b, y;
-cvt.rn.bf16x2.f32 $0, b, a;
-mov.b32 {x, y}, fl1;
-cvt.f32.f16 a, x;
-cvt.f32.f16 b, y;
-cvt.rn.bf16x2.f32 $1, b, a;
-mov.b32 {x, y}, fh0;
-cvt.f32.f16 a, x;
-cvt.f32.f16 b, y;
-cvt.rn.bf16x2.f32 $2, b, a;
-mov.b32 {x, y}, fh1;
-cvt.f32.f16 a, x;
-cvt.f32.f16 b, y;
-cvt.rn.bf16x2.f32 $3, b, a;
-}
-""")
-
-
 @triton.jit
 def _nvfp4_load(page, off, ok, D: tl.constexpr, N: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -183,18 +136,17 @@ def _nvfp4_dequant(b, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILE_DTYP
     """NVFP4 bytes from ``_nvfp4_load`` (even element in the low nibble, one e4m3
     scale per 16 values) -> ``[BLOCK_N, BLOCK_D]``.
 
-    FAST_FP4 (bf16 tiles on the GPU) decodes with the PTX above; the portable path
-    serves the interpreter and fp32 tiles.
+    FAST_FP4 (bf16 tiles on the GPU) decodes with the shared PTX of ``ops/triton/e2m1.py``;
+    the portable path serves the interpreter and fp32 tiles.
     """
     G: tl.constexpr = BLOCK_D // 16
     if FAST_FP4:
         sc = s.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
         sc = tl.broadcast_to(sc[:, :, None], (BLOCK_N, G, 8))
-        lo, hi = tl.inline_asm_elementwise(
-            _NVFP4_ASM, "=r,=r,=r,=r,r,r,r", [tl.reshape(b, (BLOCK_N, G, 8)), sc],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-        )
-        return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_D))
+        # fp16 e2m1 * scale is exact (<= 5 significant bits, in fp16's normal range), and so
+        # is its cast to bf16
+        lo, hi = e2m1_pairs_f16(tl.reshape(b, (BLOCK_N, G, 8)), sc, True)
+        return tl.reshape(tl.join(lo.to(tl.bfloat16), hi.to(tl.bfloat16)), (BLOCK_N, BLOCK_D))
     else:
         lo = _e2m1_as_e4m3(b & 0xF)
         hi = _e2m1_as_e4m3(b >> 4)

@@ -649,11 +649,6 @@ def topk_indices(
             rs1 = None
         if rs1 is None and method == "reg":
             raise ValueError(f"no block size fits the register path (N={N}, k={k})")
-        if method is None and index_map is not None and rs1 is not None and rs1 > 1:
-            # The register path's block-max variant with an index map has not run on a GPU
-            # yet (its first build failed to compile on Triton 3.6; fixed since, unmeasured):
-            # default to the streaming kernel there. Flash's reindex rows (16384) take S1 = 1.
-            rs1 = None
         if rs1 is not None:
             _topk_reg(scores, k, lengths, lens, out, mp, map_b, rs1, dbits, num_warps, fill)
             return out
