@@ -17,7 +17,7 @@ rounds the score once to the model dtype (returned as fp32). Keys are decoded in
   2^-(emax - e_b)`` (exact down to 30 binades below ``emax``; smaller blocks are below an
   fp32 sum's rounding anyway). The codes are decoded with a few integer ops per 4 bytes
   into e4m3 bit patterns, widened by ``cvt.rn.f16x2.e4m3x2`` and scaled by
-  ``mul.rn.f16x2`` (``_e2m1_quads_f16``: ~2 instructions per value). ``Q^T`` is divided
+  ``mul.rn.f16x2`` (``ops/triton/e2m1.py``: ~2 instructions per value). ``Q^T`` is divided
   per head by a power of two so that it fits fp16 exactly, which is folded into the head
   weight; ``emax`` is applied to the head sum. ``i16`` reads the records as int16 words (a
   thread's wgmma A pair is then 4 contiguous bytes: no byte shuffles).
@@ -76,7 +76,7 @@ __all__ = [
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Default decode for bf16/fp16 queries and default software pipelining (see the module
-# docstring); a mode that fails to compile on this Triton is recorded here and skipped (0 -> 1).
+# docstring); a mode that fails to compile on this Triton is recorded here and skipped (3 -> 0 -> 1).
 DEFAULT_MODE = 3
 DEFAULT_PREFETCH = 1
 _FAILED: dict[int | str, bool] = {}
@@ -503,7 +503,8 @@ def index_scores_paged(
     ``n_cols = max_visible`` (pass it to avoid a host sync; default ``visible.max()``);
     columns ``j >= visible[t]`` are ``-inf`` and their pages are never read. Scores are
     rounded once to ``out_dtype`` (default ``q.dtype``). ``mode``/``block_n``/``tiles``/
-    ``num_warps`` are tuning knobs (see the module docstring).
+    ``num_warps``/``perm``/``prefetch``/``maxnreg``/``i16`` are tuning knobs (see the module
+    docstring); ``None`` picks the measured default.
     """
     page_n = _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, block_size)
     if max_visible is None:
