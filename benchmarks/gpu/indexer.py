@@ -69,17 +69,15 @@ def make_queries(T: int, device: str | None = None):
     return q, w
 
 
-# Scores variants timed at VARIANT_SHAPES (kwargs of index_scores_paged): the default is
-# mode 3 (fp16 wgmma), int16 words, prefetch=1, 2048 keys per program, 4 CTAs/SM (maxnreg 128).
+# Scores variants timed at VARIANT_SHAPES (kwargs of index_scores_paged): the default is the
+# Gluon kernel (mode 4: cp.async ring of 4 stages, 2048 keys per program) on sm90.
 SCORE_VARIANTS = [
-    ("mode 0 dot_scaled (previous default)", dict(mode=0)),
-    ("mode 3 byte loads", dict(i16=False)),
-    ("maxnreg off", dict(maxnreg=0)),
-    ("tiles=8", dict(tiles=8)),
-    ("bn64", dict(block_n=64)),
-    ("prefetch=0", dict(prefetch=0)),
-    ("prefetch=2 regs", dict(prefetch=2)),
-    ("mode1 arith bf16", dict(mode=1)),
+    ("mode 3 tl fp16 (previous default)", dict(mode=3)),
+    ("mode 0 dot_scaled", dict(mode=0)),
+    ("gluon stages=3", dict(stages=3)),
+    ("gluon stages=6", dict(stages=6)),
+    ("gluon tiles=8", dict(tiles=8)),
+    ("gluon tiles=64", dict(tiles=64)),
 ]
 VARIANT_SHAPES = ((128, 32768), (256, 131072))
 

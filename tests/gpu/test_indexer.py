@@ -84,8 +84,8 @@ LARGE = [
 ]
 # (mode, perm, prefetch)
 MODES = [(0, True, 1), (0, False, 1), (0, True, 0), (0, True, 2), (2, True, 1), (2, True, 0), (3, True, 1), (3, True, 0)]
-MODES += [] if INTERPRET else [(1, True, 1), (1, True, 0)]
-LARGE_MODES = {(0, True, 1), (0, True, 0), (0, True, 2), (3, True, 1)}  # default candidates; the rest: small shapes
+MODES += [] if INTERPRET else [(1, True, 1), (1, True, 0), (4, True, 1)]  # 4: Gluon, no interpreter
+LARGE_MODES = {(0, True, 1), (0, True, 0), (0, True, 2), (3, True, 1), (4, True, 1)}  # the rest: small shapes
 
 
 def _variant_cases(small, large):
@@ -117,7 +117,7 @@ def _case(device, T, H, R, E, ratio, bs, seed, scales=(122, 131)):
 @pytest.mark.parametrize("mode,perm,prefetch,T,H,R,E,ratio,bs", _variant_cases(SMALL, LARGE))
 def test_scores_vs_reference(device, mode, perm, prefetch, T, H, R, E, ratio, bs):
     g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=T + E)
-    for dtype in ([torch.float32] if mode == 2 else [torch.bfloat16, torch.float32]):
+    for dtype in {2: [torch.float32], 4: [torch.bfloat16]}.get(mode, [torch.bfloat16, torch.float32]):
         q, w = make_queries(device, g, T, H, dtype)
         n_cols = E + 3
         bound = score_bound(q, w, cache, bt, req, vis, ratio, bs, n_cols)
@@ -135,7 +135,7 @@ def test_scores_vs_reference(device, mode, perm, prefetch, T, H, R, E, ratio, bs
                 check_scores(got, want, bound, frac, rel)
 
 
-@pytest.mark.parametrize("mode", [0, 3])
+@pytest.mark.parametrize("mode", [0, 3] + ([] if INTERPRET else [4]))
 @pytest.mark.parametrize("T,H,R,E,ratio,bs", shapes([(4, 4, 2, 300, 2, 16)], [(64, 32, 16, 20000, 2, 64)]))
 def test_scores_wide_scale_spread(device, mode, T, H, R, E, ratio, bs):
     """Scale bytes anywhere in 2^-126 .. 2^72: blocks of one key up to 198 binades apart (mode 3
@@ -171,6 +171,26 @@ def test_scores_fp16_decode_variants(device, i16, prefetch, block_n, tiles, T, H
     assert torch.equal(fin, torch.isfinite(got))
     bound = score_bound(q, w, cache, bt, req, vis, ratio, bs, E + 5)
     assert bool(((got[fin] - want[fin]).abs() <= 1e-5 * bound[fin] + 1e-30).all())
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run under Triton's interpreter")
+@pytest.mark.parametrize("stages,tiles", [(2, 1), (3, 3), (4, None), (6, 2)])
+@pytest.mark.parametrize("T,H,R,E,ratio,bs", [(5, 32, 3, 200, 1, 64), (4, 4, 2, 300, 2, 16),
+                                              (3, 64, 2, 1000, 1, 512), (64, 32, 64, 32768, 2, 64)])
+def test_scores_gluon_pipelines(device, stages, tiles, T, H, R, E, ratio, bs):
+    """The Gluon kernel's ring depths and program sizes (pages of 8 .. 512 records) against mode 3."""
+    g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=E + stages)
+    q, w = make_queries(device, g, T, H, torch.bfloat16)
+    kw = dict(max_visible=E + 5)
+    want = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, torch.float32, mode=3, **kw)
+    out = poison_(torch.empty(T, E + 5, dtype=torch.float32, device=device))
+    got = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, torch.float32, mode=4, stages=stages,
+                             tiles=tiles, out=out, **kw)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    bound = score_bound(q, w, cache, bt, req, vis, ratio, bs, E + 5)
+    assert bool(((got[fin] - want[fin]).abs() <= 1e-5 * bound[fin] + 1e-30).all())
+    assert (got[fin] == want[fin]).float().mean().item() >= 0.5  # same products, another sum order
 
 
 def test_scores_odd_block_stride(device):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["e2m1_pairs_f16", "e2m1_quads_f16", "e2m1_scaled"]
+__all__ = ["QUADS_PTX", "e2m1_pairs_f16", "e2m1_quads_f16", "e2m1_scaled"]
 
 # e4m3 patterns of the low (``l``) and high (``h``) nibbles of the 4 bytes in register ``x``
 _E4M3_OF_NIBBLES = """
@@ -63,6 +63,9 @@ mul.rn.f16x2 $2, $2, $5;
 mul.rn.f16x2 $3, $3, $5;
 }
 """)
+
+
+QUADS_PTX = _QUADS_PTX  # for Gluon kernels (``indexer_gluon``), which cannot call ``tl`` functions
 
 
 @triton.jit

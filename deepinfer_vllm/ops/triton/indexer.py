@@ -12,7 +12,11 @@ cores (M = keys, N = heads), then ReLU, the head weights and the head sum in fp3
 rounds the score once to the model dtype (returned as fp32). Keys are decoded in registers;
 ``mode`` picks how:
 
-* 3 (default for bf16/fp16 queries): fp16 wgmma on exactly converted operands. Each key is
+* 4 (default for large dense launches on sm90 with Gluon): mode 3's arithmetic as a Gluon
+  kernel (``ops/triton/indexer_gluon.py``): a cp.async ring, explicit layouts, each thread's
+  A fragment read as 16 contiguous bytes. 5 % faster than mode 3 at B=256 x 131072 keys
+  (47 % of copy), slower on short rows and candidate blocks.
+* 3 (default otherwise for bf16/fp16 queries): fp16 wgmma on exactly converted operands. Each key is
   split into its largest block scale ``2^(emax - 127)`` and the fp16 values ``e2m1 *
   2^-(emax - e_b)`` (exact down to 30 binades below ``emax``; smaller blocks are below an
   fp32 sum's rounding anyway). The codes are decoded with a few integer ops per 4 bytes
@@ -25,7 +29,7 @@ rounds the score once to the model dtype (returned as fp32). Keys are decoded in
   ``Q^T`` on the right; on Hopper Triton upcasts the keys to bf16 (exact: e2m1 x 2^e) with
   about 840 instructions per key. ``perm`` reorders the K dimension (keys and ``Q^T`` alike;
   a dot product does not care) so that the shared-memory transpose moves 16-byte vectors.
-  The fallback if mode 3 does not compile.
+  The fallback if mode 3 does not compile (4 -> 3 -> 0 -> 1).
 * 1: keys decoded arithmetically to fp32 bit patterns, cast to bf16, two K = 64 dots (even /
   odd dims) - the fallback if ``dot_scaled`` does not compile either.
 * 2 (default for fp32 queries): as 1 but fp32 with IEEE dots, the interpreter-friendly path.
@@ -66,6 +70,7 @@ import triton.language as tl
 
 from deepinfer_vllm.ops.paged_indexer import IndexerOps, check_index_cache, run_indexer_pipeline
 from deepinfer_vllm.ops.triton.e2m1 import e2m1_pairs_f16, e2m1_quads_f16, e2m1_scaled
+from deepinfer_vllm.ops.triton.indexer_gluon import gluon_index_scores, gluon_supported
 from deepinfer_vllm.ops.triton.topk import candidate_blocks, topk_indices
 
 __all__ = [
@@ -80,7 +85,7 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DEFAULT_MODE = 3
 DEFAULT_PREFETCH = 1
 _FAILED: dict[int | str, bool] = {}
-_FALLBACK = {3: 0, 0: 1}  # the next decode to try when one fails to compile
+_FALLBACK = {4: 3, 3: 0, 0: 1}  # the next decode to try when one fails to compile
 
 
 @triton.jit
@@ -401,7 +406,7 @@ def _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, blo
 
 
 def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
-            out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16=None):
+            out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16=None, stages=None):
     T, H, D = q.shape
     if out is None:
         out = torch.empty(T, n_cols, dtype=torch.float32, device=q.device)
@@ -414,12 +419,33 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
     out_dtype = q.dtype if out_dtype is None else out_dtype
     if out_dtype not in _ROUND:
         raise TypeError(f"out_dtype must be fp32/bf16/fp16, got {out_dtype}")
+    gluon_ok = gluon_supported(q, index_cache, page_n)
+    asked = mode
     if mode is None:
-        mode = 2 if q.dtype == torch.float32 else DEFAULT_MODE
-    if mode not in (0, 1, 2, 3):
-        raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16), 2 (fp32) or 3 (fp16), got {mode}")
+        # Gluon for large dense launches only (>= 128 tiles of 64 keys per program at 4 programs
+        # per SM): there it is 5 % faster; on short rows its per-program set-up costs more, and
+        # its per-key address path is slower for candidate blocks (benchmarks/README.md, run 4).
+        big = T * triton.cdiv(n_cols, 64) >= 128 * 4 * _num_sms(q.device)
+        mode = 2 if q.dtype == torch.float32 else (4 if gluon_ok and cand is None and big else DEFAULT_MODE)
+    if mode not in (0, 1, 2, 3, 4):
+        raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16), 2 (fp32), 3 (fp16) or 4 (Gluon), got {mode}")
+    if mode == 4 and not gluon_ok:
+        raise ValueError("mode 4 (Gluon) needs an sm90 GPU, Gluon, bf16/fp16 q with D = 128 and "
+                         "16-byte aligned pages of a power-of-two number of records")
     while _FAILED.get(mode) and q.is_cuda and mode in _FALLBACK:
         mode = _FALLBACK[mode]
+    if mode == 4:
+        try:
+            return gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand,
+                                      cand_block, n_cols, _ROUND[out_dtype], out, tiles=tiles,
+                                      stages=stages or 4, num_sms=_num_sms(q.device), maxnreg=maxnreg)
+        except Exception as exc:  # pragma: no cover - a Triton whose Gluon cannot lower the kernel
+            if asked == 4:
+                raise
+            _FAILED[4] = True
+            warnings.warn(f"indexer scores: the Gluon kernel failed to compile ({type(exc).__name__}: {exc}); "
+                          "falling back to mode 3")
+            mode = 3
     prefetch = DEFAULT_PREFETCH if prefetch is None else int(prefetch)
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0 (none), 1 (L2) or 2 (registers), got {prefetch}")
@@ -496,6 +522,7 @@ def index_scores_paged(
     prefetch: int | None = None,
     maxnreg: int | None = None,
     i16: bool | None = None,
+    stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores of every token over its request's paged index keys -> fp32 ``[T, n_cols]``.
@@ -503,14 +530,14 @@ def index_scores_paged(
     ``n_cols = max_visible`` (pass it to avoid a host sync; default ``visible.max()``);
     columns ``j >= visible[t]`` are ``-inf`` and their pages are never read. Scores are
     rounded once to ``out_dtype`` (default ``q.dtype``). ``mode``/``block_n``/``tiles``/
-    ``num_warps``/``perm``/``prefetch``/``maxnreg``/``i16`` are tuning knobs (see the module
-    docstring); ``None`` picks the measured default.
+    ``num_warps``/``perm``/``prefetch``/``maxnreg``/``i16``/``stages`` are tuning knobs (see the
+    module docstrings; ``tiles`` counts 64-key tiles in mode 4); ``None`` picks the measured default.
     """
     page_n = _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, block_size)
     if max_visible is None:
         max_visible = int(visible.max()) if visible.numel() else 0
     return _launch(q, w, index_cache, block_table, token_req, visible, page_n, None, 1, int(max_visible),
-                   out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16)
+                   out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16, stages)
 
 
 def index_scores_paged_sparse(
@@ -534,6 +561,7 @@ def index_scores_paged_sparse(
     prefetch: int | None = None,
     maxnreg: int | None = None,
     i16: bool | None = None,
+    stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores of the kept candidate blocks' entries only -> compact fp32 ``[T, nb * B]``.
@@ -552,7 +580,7 @@ def index_scores_paged_sparse(
         raise ValueError(f"cand_block_size must be a power of two, got {cand_block_size}")
     n_cols = cand_blocks.shape[1] * cand_block_size
     return _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand_blocks, cand_block_size,
-                   n_cols, out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16)
+                   n_cols, out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16, stages)
 
 
 def indexer_topk(

@@ -1,0 +1,300 @@
+"""Lightning-indexer scores on Hopper in Gluon (Triton's explicit-layout dialect), sm90 only.
+
+Same arithmetic as ``indexer.index_scores_paged`` mode 3 (fp16 wgmma on exactly converted
+MXFP4 operands, the ``ops/triton/e2m1.py`` decode; scores bit-identical to mode 3 on the
+benchmark's inputs). What Gluon adds is control over where every byte goes:
+
+* The records of the next ``STAGES - 1`` tiles of 64 keys are in flight as ``cp.async``
+  copies into a shared-memory ring while the current tile is decoded (16-byte copies; the
+  block ids of a tile are loaded one tile before its copies are issued).
+* Each thread reads exactly the bytes its wgmma A fragment needs, 16 contiguous record bytes
+  per key (``LDS.128``), decodes them in registers and hands them to the tensor cores with
+  no layout conversion (checked at compile time: ``assert_trivial``). That works because a
+  dot product does not care about the order of K: thread ``c = lane % 4`` of a key row gets
+  the codes of scale block ``c`` (record bytes ``16 c .. 16 c + 15``), and ``Q^T``'s rows
+  are permuted to match (``_q_perm_dims``). One block per thread also means one scale
+  factor per thread and key; the key's largest block scale is a 4-lane reduction.
+* Tiles past a token's visible entries are written (-inf) without being read or computed.
+
+Measured on the H200 (Triton 3.6; benchmarks/README.md, run 4): 341 SASS instructions per
+warp per tile (21 warp instructions per key: decode 8, epilogue 3.7, copies and addresses
+~4, scales ~2), 85 registers, ~57 % issue utilisation. B=256 x 131072 keys: 1.20 ms, 47 % of
+copy bandwidth (mode 3: 1.27 ms). Program length matters (2048 keys per program: 1.41 ms;
+16384: 1.20 ms), ring depth (2-6) and more CTAs per SM do not. Short rows and candidate
+blocks are faster in mode 3, so ``indexer._launch`` picks this kernel for large dense
+launches only, and falls back to mode 3 if it does not compile.
+
+Only ``D = 128`` (four scale blocks, one per lane of a quad), up to 256 heads, pages of a
+power-of-two number (>= 4) of records, 16-byte aligned.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from deepinfer_vllm.ops.triton.e2m1 import QUADS_PTX
+
+try:  # Gluon ships with Triton >= 3.5; its Hopper API is what this file targets (3.6)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+except Exception:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+__all__ = ["GLUON_AVAILABLE", "gluon_index_scores", "gluon_supported"]
+
+GLUON_AVAILABLE = gluon is not None
+
+
+def gluon_supported(q: torch.Tensor, index_cache: torch.Tensor, page_n: int) -> bool:
+    """This kernel's shapes and device: sm90, D = 128, H <= 256, 16-byte aligned pages of a
+    power-of-two number (>= 4) of records."""
+    if not (GLUON_AVAILABLE and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    T, H, D = q.shape
+    return (D == 128 and H <= 256 and page_n >= 4 and page_n & (page_n - 1) == 0
+            and index_cache.data_ptr() % 16 == 0 and index_cache.stride(0) % 16 == 0)
+
+
+if GLUON_AVAILABLE:
+    # Gluon kernels cannot call ``tl`` functions: the few small helpers of ``indexer.py`` that
+    # this kernel needs (fp16 power of two, bf16 rounding, entry lookup) are restated here.
+
+    @gluon.jit
+    def _decode(words, f):
+        """4 fp16 planes (code n of every int16 word) times the per-word factor ``f``."""
+        return gl.inline_asm_elementwise(
+            QUADS_PTX, "=r,=r,=r,=r,r,r", [words, f],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2,
+        )
+
+    @gluon.jit
+    def _pow2_f16_bits(r):
+        """fp16 bits of 2^(6 - r) for r >= 0 (subnormal from r = 21, 0 past r = 30)."""
+        sub = 1 << gl.minimum(gl.maximum(30 - r, 0), 30)
+        return gl.where(r <= 20, (21 - r) << 10, gl.where(r <= 30, sub, 0))
+
+    @gluon.jit
+    def _round_out(x, ROUND: gl.constexpr):
+        if ROUND == 1:  # nearest bf16, ties to even (integer ops: exact)
+            b = x.to(gl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+            x = b.to(gl.float32, bitcast=True)
+        elif ROUND == 2:
+            x = x.to(gl.float16).to(gl.float32)
+        return x
+
+    @gluon.jit
+    def _entries(c, t, vis, n_cols, cand_ptr, stride_cand, CB: gl.constexpr, SPARSE: gl.constexpr):
+        """Entry index and visibility of columns ``c`` (sparse: through the candidate ids)."""
+        if SPARSE:
+            cm = c < n_cols
+            bid = gl.load(cand_ptr + t * stride_cand + c // CB, mask=cm, other=-1).to(gl.int32)
+            j = bid * CB + c % CB
+            valid = (bid >= 0) & (j < vis)
+        else:
+            j = c
+            valid = j < vis
+        return j, valid
+
+    @gluon.jit
+    def _page_base(cache_ptr, stride_blk, blk, off):
+        """``cache + blk * stride + off`` (all >= 0) with one 32 x 32 -> 64-bit multiply-add."""
+        return cache_ptr + (blk.to(gl.uint32).to(gl.uint64) * stride_blk.to(gl.uint32).to(gl.uint64)
+                            + off.to(gl.uint64))
+
+    @gluon.jit
+    def _tile_pages(c0, t, vis, n_cols, bt_row, cand_ptr, stride_cand, m_v, m_s,
+                    LOG2_PAGE: gl.constexpr, CB: gl.constexpr, SPARSE: gl.constexpr):
+        """Slots, validity and block ids of one tile's copies: value copies of keys ``m_v``,
+        scale copies of keys ``m_s`` (the first of ``SROWS`` keys in one page)."""
+        if SPARSE:
+            jv, okv = _entries(c0 + m_v, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE)
+            js, oks = _entries(c0 + m_s, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE)
+        else:
+            jv = c0 + m_v
+            okv = jv < vis
+            js = c0 + m_s
+            oks = js < vis
+        jv = jv.to(gl.uint32)  # entries are >= 0: unsigned shifts and masks, no sign fix-ups
+        js = js.to(gl.uint32)
+        bv = gl.load(bt_row + (jv >> LOG2_PAGE), mask=okv, other=0)
+        bs = gl.load(bt_row + (js >> LOG2_PAGE), mask=oks, other=0)
+        slot_mask: gl.constexpr = (1 << LOG2_PAGE) - 1
+        return jv & slot_mask, okv, bv, js & slot_mask, oks, bs
+
+    @gluon.jit
+    def _issue_tile(vals_s, scl_s, stage, cache_ptr, stride_blk, sv, okv, bv, ss, oks, bs, voff,
+                    PAGE_N: gl.constexpr, SROWS: gl.constexpr):
+        """cp.async one tile's records into ring slot ``stage``: 16 value bytes per thread and
+        key quarter, and the scale words of ``SROWS`` consecutive keys per copy."""
+        vrow = _page_base(cache_ptr, stride_blk, bv, sv * 64).to(gl.pointer_type(gl.int16))
+        async_copy.async_copy_global_to_shared(vals_s.index(stage), vrow[:, None, None] + voff,
+                                               mask=okv[:, None, None])
+        srow = _page_base(cache_ptr, stride_blk, bs, PAGE_N * 64 + ss * 4).to(gl.pointer_type(gl.int32))
+        kk = gl.arange(0, SROWS, layout=gl.SliceLayout(0, gl.BlockedLayout([1, SROWS], [32, 1], [4, 1], [1, 0])))
+        async_copy.async_copy_global_to_shared(scl_s.index(stage), srow[:, None] + kk[None, :],
+                                               mask=oks[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _index_scores_gluon_kernel(
+        q_ptr, stride_qt, stride_qh,
+        w_ptr, stride_wt,
+        cache_ptr, stride_blk,
+        bt_ptr, stride_bt,
+        req_ptr, vis_ptr,
+        cand_ptr, stride_cand,
+        out_ptr, stride_out, n_cols,
+        H: gl.constexpr, HP: gl.constexpr, PAGE_N: gl.constexpr,
+        TILES: gl.constexpr, STAGES: gl.constexpr, CB: gl.constexpr,
+        SPARSE: gl.constexpr, ROUND: gl.constexpr, SROWS: gl.constexpr,
+    ):
+        BM: gl.constexpr = 64  # keys per tile: one wgmma M block of the 4 warps
+        LOG2_PAGE: gl.constexpr = PAGE_N.bit_length() - 1
+        # Register layouts. WL: the int16 words of a tile as [key, block c, word r]; thread
+        # (warp w, lane l) holds keys 16 w + l // 4 (+ 8), block c = l % 4, all 8 words.
+        WL: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BM, 4, 8])
+        FL: gl.constexpr = gl.SliceLayout(2, WL)  # [key, block]: one factor per thread and key
+        RL: gl.constexpr = gl.SliceLayout(1, FL)  # [key]: per key, replicated over the quad
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HP, 16])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        SR: gl.constexpr = gl.SliceLayout(1, MMA)  # one score per key
+        CL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])  # value copies
+        SCP: gl.constexpr = gl.BlockedLayout([1, SROWS], [32, 1], [4, 1], [1, 0])  # scale-word copies
+        QBL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])  # [D, HP] query load
+        QSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, HP], gl.float16)
+        VSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        SSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+        pid = gl.program_id(0)
+        t = gl.program_id(1).to(gl.int64)
+        vis = gl.load(vis_ptr + t).to(gl.int32)
+        out_row = out_ptr + t * stride_out
+        c_first = pid * (TILES * BM)
+        ar_s = gl.arange(0, BM, layout=SR)
+        if SPARSE:
+            n_live = TILES
+        else:  # tiles past the visible entries are only written (-inf), never read or computed
+            n_live = gl.minimum(gl.maximum(vis - c_first + BM - 1, 0) // BM, TILES)
+        for it in range(n_live, TILES):
+            c = c_first + it * BM + ar_s
+            gl.store(out_row + c, gl.full([BM], float("-inf"), gl.float32, SR), mask=c < n_cols)
+        if n_live > 0:
+            req = gl.load(req_ptr + t).to(gl.int64)
+            bt_row = bt_ptr + req * stride_bt
+            # Q^T with its rows in the decode's K order, each head divided by the power of two
+            # p_h <= max |q_h| (exact: MXFP4 values carry 2 significant bits), p_h into w.
+            kap = gl.arange(0, 128, layout=gl.SliceLayout(1, QBL))
+            hh = gl.arange(0, HP, layout=gl.SliceLayout(0, QBL))
+            dims = _q_perm_dims(kap)
+            qv = gl.load(q_ptr + t * stride_qt + hh[None, :] * stride_qh + dims[:, None],
+                         mask=(hh < H)[None, :], other=0.0).to(gl.float32)
+            amax = gl.max(gl.abs(qv), 0)
+            pbits = gl.where(amax >= 1.1754943508222875e-38,
+                             gl.minimum(amax.to(gl.int32, bitcast=True) & 0x7F800000, 253 << 23), 127 << 23)
+            inv = ((254 << 23) - pbits).to(gl.float32, bitcast=True)
+            q_s = gl.allocate_shared_memory(gl.float16, [128, HP], QSL, (qv * inv[None, :]).to(gl.float16))
+            hw = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
+            w = gl.load(w_ptr + t * stride_wt + hw, mask=hw < H, other=0.0).to(gl.float32)
+            w = w * gl.convert_layout(pbits, gl.SliceLayout(0, MMA)).to(gl.float32, bitcast=True)
+            fence_async_shared()
+
+            vals_s = gl.allocate_shared_memory(gl.int16, [STAGES, BM, 4, 8], VSL)
+            scl_s = gl.allocate_shared_memory(gl.int32, [STAGES, BM // SROWS, SROWS], SSL)
+            m_v = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))
+            m_s = gl.arange(0, BM // SROWS, layout=gl.SliceLayout(1, SCP)) * SROWS
+            cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))
+            rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))
+            voff = (cq * 8)[None, :, None] + rr[None, None, :]
+            # prologue: tiles 0 .. STAGES - 2 in flight, block ids of tile STAGES - 1 loaded
+            for s in gl.static_range(STAGES - 1):
+                sv, okv, bv, ss, oks, bs = _tile_pages(c_first + s * BM, t, vis, n_cols, bt_row, cand_ptr,
+                                                       stride_cand, m_v, m_s, LOG2_PAGE, CB, SPARSE)
+                _issue_tile(vals_s, scl_s, s, cache_ptr, stride_blk, sv, okv & (s < n_live), bv, ss,
+                            oks & (s < n_live), bs, voff, PAGE_N, SROWS)
+            sv, okv, bv, ss, oks, bs = _tile_pages(c_first + (STAGES - 1) * BM, t, vis, n_cols, bt_row, cand_ptr,
+                                                   stride_cand, m_v, m_s, LOG2_PAGE, CB, SPARSE)
+            cidx = gl.arange(0, 4, layout=gl.SliceLayout(0, FL))
+            acc0 = gl.zeros([BM, HP], gl.float32, MMA)
+            for it in range(n_live):
+                stage = it % STAGES
+                async_copy.wait_group(STAGES - 2)  # tile `it` has landed (this thread's copies)
+                gl.thread_barrier()  # ... and everyone's; slot (it - 1) % STAGES is free again
+                nxt = it + STAGES - 1
+                _issue_tile(vals_s, scl_s, nxt % STAGES, cache_ptr, stride_blk, sv, okv & (nxt < n_live), bv, ss,
+                            oks & (nxt < n_live), bs, voff, PAGE_N, SROWS)
+                # block ids of tile it + STAGES: their latency hides behind this tile's math
+                sv, okv, bv, ss, oks, bs = _tile_pages(c_first + (it + STAGES) * BM, t, vis, n_cols, bt_row,
+                                                       cand_ptr, stride_cand, m_v, m_s, LOG2_PAGE, CB, SPARSE)
+
+                # scales: thread (key, c) takes byte c of the key's word; emax over the quad
+                sw = scl_s.index(stage).reshape([BM]).load(RL)
+                e = (sw[:, None] >> (cidx * 8)[None, :]) & 255
+                emax = gl.max(e, 1)
+                fb = _pow2_f16_bits(emax[:, None] - e).to(gl.int16).to(gl.float16, bitcast=True)
+                words = vals_s.index(stage).load(WL)
+                o0, o1, o2, o3 = _decode(words, gl.expand_dims(fb, 2))
+                # plane n of word r = 4 p1 + 2 p0 + e0 of block c is K index
+                # 64 s + 32 i + 16 p1 + 8 p0 + 2 c + e0 with n = 2 s + i (see _q_perm_dims)
+                a = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [BM, c, r, i, s]
+                a = gl.reshape(a, [BM, 4, 2, 2, 2, 2, 2])  # [BM, c, p1, p0, e0, i, s]
+                a = gl.permute(a, [0, 6, 5, 2, 3, 1, 4])
+                a = gl.convert_layout(gl.reshape(a, [BM, 128]), AL, assert_trivial=True)
+                acc = warpgroup_mma(a, q_s, acc0, use_acc=False)
+                score = gl.sum(gl.maximum(acc, 0.0) * w[None, :], 1)
+                em = gl.convert_layout(emax, SR)
+                score = score * gl.where(em > 0, em << 23, 1 << 22).to(gl.float32, bitcast=True)
+                c = c_first + it * BM + ar_s
+                js, vs = _entries(c, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE)
+                score = gl.where(vs, _round_out(score, ROUND), float("-inf"))
+                gl.store(out_row + c, score, mask=c < n_cols)
+            async_copy.wait_group(0)
+
+    @gluon.jit
+    def _q_perm_dims(kap):
+        """Record dim behind K index ``kap`` of the decoded tile: ``kap = 64 s + 32 i + 16 p1 +
+        8 p0 + 2 c + e0`` is code ``n = 2 s + i`` of int16 word ``8 c + 4 p1 + 2 p0 + e0``."""
+        e0 = kap & 1
+        c = (kap >> 1) & 3
+        p0 = (kap >> 3) & 1
+        p1 = (kap >> 4) & 1
+        i = (kap >> 5) & 1
+        s = (kap >> 6) & 1
+        return 4 * (8 * c + 4 * p1 + 2 * p0 + e0) + 2 * s + i
+
+
+def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
+                       round_code, out, tiles=None, stages=4, num_sms=132, maxnreg=None):
+    """Launch the kernel; inputs already checked by ``indexer._check_inputs`` and
+    ``gluon_supported``. ``round_code``: 0 fp32, 1 bf16, 2 fp16 scores."""
+    T, H, D = q.shape
+    BM = 64
+    if tiles is None:
+        # Long programs amortise the query set-up and the ring's fill (up to 16384 keys), >= 4
+        # programs per SM, and a power of two: a short last program per token would leave SMs
+        # idle at the end of the wave (measured: see the module docstring).
+        n_tiles = T * triton.cdiv(n_cols, BM)
+        tiles = 1 << (max(1, min(256, n_tiles // (4 * num_sms))).bit_length() - 1)
+    sparse = cand is not None
+    cptr = cand if sparse else block_table
+    # scale words are copied 4 keys (16 bytes) at a time where 4 columns are 4 slots of one page
+    srows = 4 if not sparse or (cand_block % 4 == 0 and page_n % cand_block == 0) else 1
+    grid = (triton.cdiv(n_cols, BM * tiles), T)
+    _index_scores_gluon_kernel[grid](
+        q, q.stride(0), q.stride(1), w, w.stride(0),
+        index_cache, index_cache.stride(0), block_table, block_table.stride(0),
+        token_req, visible, cptr, cptr.stride(0), out, out.stride(0), n_cols,
+        H=H, HP=max(16, triton.next_power_of_2(H)), PAGE_N=page_n, TILES=tiles, STAGES=stages,
+        CB=cand_block if sparse else 1, SPARSE=sparse, ROUND=round_code, SROWS=srows, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+    return out
