@@ -7,9 +7,10 @@ the records read + q + out (+ the top-k indices). Contexts are long
 The baseline is the PyTorch paged reference (gather + dequantise + einsum), timed
 on the smaller batches. A row's shape says which ceiling bounds it: its arithmetic
 intensity against the ridge point (bf16 matmul rate / copy bandwidth) measured in
-this run. After the main rows, a sweep of launch configs at 128 and 256 tokens
-(ratio 2), and at 64 tokens with and without flash-decoding splits, shows what
-to tune (the prefetch pipelines, pipeline stages, splits).
+this run. Every main row is timed twice: the default kernel (the warp-specialised
+Gluon kernel on sm90) and the Triton kernel (``gluon=False``). After them, a sweep
+of the Triton kernel's launch configs at 128 tokens (ratio 2), and both kernels at
+64 tokens with and without flash-decoding splits.
 """
 
 from __future__ import annotations
@@ -122,38 +123,40 @@ def run(ceilings: Ceilings) -> list[Row]:
         q, args = make_inputs(num_reqs, tokens_per_req, ratio)
         return q, args, paged_sparse_attention(q, **args).float()
 
+    triton = DecodeConfig(gluon=False)
     for ratio in (2, 1):
         for batch in (1, 16, 64, 128, 256):
             q, args, ref = inputs(batch, 1, ratio)
+            # default: the warp-specialised Gluon kernel on sm90; the Triton kernel beside it
             rows.append(_row(f"T={batch} (1/req) r={ratio}", q, args, ceilings, ref,
                              baseline=batch <= BASELINE_MAX_TOKENS))
+            rows.append(_row(f"T={batch} (1/req) r={ratio} triton kernel", q, args, ceilings, ref,
+                             config=triton))
             del q, args, ref
         q, args, ref = inputs(64, 2, ratio)
         rows.append(_row(f"T=128 (64 req x 2) r={ratio}", q, args, ceilings, ref))
+        rows.append(_row(f"T=128 (64 req x 2) r={ratio} triton kernel", q, args, ceilings, ref,
+                         config=triton))
         del q, args, ref
-    # launch-config sweep (defaults first): the fastest row tells what DecodeConfig should be.
-    # Default: num_stages=3, prefetch=1 (measured best); prefetch 0-3 pipeline the compressed gather chain.
+    # Triton kernel launch-config sweep (its defaults first): num_stages=3, prefetch=1 measured best.
     sweep = [
-        DecodeConfig(),
-        DecodeConfig(num_stages=2),
-        DecodeConfig(num_stages=1),
-        DecodeConfig(prefetch=0),
-        DecodeConfig(prefetch=2),
-        DecodeConfig(prefetch=3),
-        DecodeConfig(prefetch=3, num_stages=1),
-        DecodeConfig(fast_fp4=False),
+        DecodeConfig(gluon=False),
+        DecodeConfig(num_stages=2, gluon=False),
+        DecodeConfig(num_stages=1, gluon=False),
+        DecodeConfig(prefetch=0, gluon=False),
+        DecodeConfig(prefetch=2, gluon=False),
+        DecodeConfig(prefetch=3, gluon=False),
+        DecodeConfig(prefetch=3, num_stages=1, gluon=False),
+        DecodeConfig(fast_fp4=False, gluon=False),
     ]
     q, args, ref = inputs(128, 1, 2)
     for cfg in sweep:
         rows.append(_row(f"T=128 r=2 {_describe(cfg)}", q, args, ceilings, ref, config=cfg))
     del q, args, ref
-    q, args, ref = inputs(256, 1, 2)
-    for cfg in (DecodeConfig(), DecodeConfig(prefetch=0), DecodeConfig(prefetch=2), DecodeConfig(prefetch=3)):
-        rows.append(_row(f"T=256 r=2 {_describe(cfg)}", q, args, ceilings, ref, config=cfg))
-    del q, args, ref
     q, args, ref = inputs(64, 1, 2)
+    # flash-decoding splits at 64 tokens (64 programs would leave half the SMs idle)
     for cfg in (DecodeConfig(num_splits=1), DecodeConfig(num_splits=2), DecodeConfig(num_splits=4),
-                DecodeConfig(num_splits=2, prefetch=3), DecodeConfig(num_splits=2, prefetch=0)):
+                DecodeConfig(num_splits=1, gluon=False), DecodeConfig(num_splits=2, gluon=False)):
         rows.append(_row(f"T=64 r=2 {_describe(cfg)}", q, args, ceilings, ref, config=cfg))
     return rows
 

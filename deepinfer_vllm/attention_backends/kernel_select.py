@@ -30,6 +30,17 @@ def vendor_libraries() -> list[str]:
     return [name for name in VENDOR_LIBRARIES if importlib.util.find_spec(name) is not None]
 
 
+def _gluon_note(choice: str, device: torch.device) -> str:
+    """Sparse MLA decode runs the warp-specialised Gluon kernel on sm90 (bf16, D = 512)."""
+    if choice != "triton" or device.type != "cuda":
+        return ""
+    from deepinfer_vllm.ops.triton.sparse_mla_decode_gluon import GLUON_AVAILABLE
+
+    if GLUON_AVAILABLE and torch.cuda.get_device_capability(device) == (9, 0):
+        return "; sparse MLA decode: warp-specialised Gluon kernel (sm90)"
+    return ""
+
+
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -62,5 +73,6 @@ def choose_attention_kernels(device: torch.device) -> str:
             if vendors and choice == "triton"
             else ""
         )
-        logger.info("DeepInfer V4.1 attention kernels: %s (%s)%s", choice, why, vendor_note)
+        logger.info("DeepInfer V4.1 attention kernels: %s (%s)%s%s", choice, why, _gluon_note(choice, device),
+                    vendor_note)
     return choice

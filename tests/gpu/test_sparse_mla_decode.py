@@ -27,6 +27,7 @@ from conftest import INTERPRET, poison_, shapes
 from deepinfer_vllm.ops.paged_attention import paged_sparse_attention
 from deepinfer_vllm.ops.paged_records import RecordFormat, write_records
 from deepinfer_vllm.ops.triton.sparse_mla_decode import DecodeConfig, default_config, sparse_mla_decode
+from deepinfer_vllm.ops.triton.sparse_mla_decode_gluon import gluon_decode_supported
 
 NAN_BYTE = 0xFF  # e4m3 NaN value code, UE8M0 NaN scale, e2m1 pairs of -6 with NaN e4m3 scales
 
@@ -189,28 +190,92 @@ LARGE = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", shapes(SMALL, LARGE))
 def test_matches_reference(device, shape, dtype):
+    """The Triton kernel (the Gluon one has its own test below)."""
     tpr, H, D, W, K, ratio, bs, max_len = shape
     case = make_case(device, tokens_per_req=tpr, H=H, D=D, W=W, K=K, ratio=ratio, block_size=bs,
                      dtype=dtype, seed=len(tpr) * 1000 + H + D + (ratio or 0), max_len=max_len)
-    _check(case)
+    _check(case, DecodeConfig(gluon=False) if dtype == torch.bfloat16 else None)
 
 
+def _gluon_ok(device) -> bool:
+    return (device.type == "cuda" and gluon_decode_supported(torch.empty(1, 1, 512, dtype=torch.bfloat16,
+                                                                         device=device), []))
+
+
+GLUON_SHAPES = [s for s in SMALL + LARGE if s[2] == 512]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run in Triton's interpreter")
+@pytest.mark.parametrize("shape", GLUON_SHAPES)
+def test_gluon_matches_reference(device, shape):
+    """The warp-specialised sm90 kernel (bf16, D = 512) on every D = 512 shape: batch 1 with
+    flash-decoding splits, ragged windows and top-k lists, window-only layers, 100 heads (a
+    partial second head block), 131072-262144 compressed positions."""
+    if not _gluon_ok(device):
+        pytest.skip("needs an sm90 GPU and Triton's Gluon")
+    tpr, H, D, W, K, ratio, bs, max_len = shape
+    case = make_case(device, tokens_per_req=tpr, H=H, D=D, W=W, K=K, ratio=ratio, block_size=bs,
+                     dtype=torch.bfloat16, seed=len(tpr) * 1000 + H + D + (ratio or 0) + 1, max_len=max_len)
+    _check(case, DecodeConfig(gluon=True))
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run in Triton's interpreter")
+@pytest.mark.parametrize("splits", [1, 2, 3, 40])
+@pytest.mark.parametrize("ratio", [1, 2, None])
+def test_gluon_splits_and_agreement(device, splits, ratio):
+    """Every split count (tile ranges that start in the window, in the compressed tiles,
+    empty ones) gives the reference's result, and the two kernels agree closely: they build
+    identical bf16 tiles, only the summation order differs."""
+    if not _gluon_ok(device):
+        pytest.skip("needs an sm90 GPU and Triton's Gluon")
+    case = make_case(device, tokens_per_req=[1, 2, 3, 1] * 3, H=64, D=512, W=128, K=512 if ratio else 0,
+                     ratio=ratio, block_size=64, dtype=torch.bfloat16, seed=40 + splits, max_len=3000)
+    out = _check(case, DecodeConfig(gluon=True, num_splits=splits))
+    tri = sparse_mla_decode(case.q, **case.args, config=DecodeConfig(gluon=False)).float()
+    norm = tri.flatten(1).norm(dim=1).clamp_min(1e-30)
+    assert ((out - tri).flatten(1).norm(dim=1) / norm).max() <= 5e-3
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run in Triton's interpreter")
+def test_gluon_invalid_keys_never_read(device):
+    """As ``test_invalid_keys_never_read`` for the Gluon kernel: bytes no valid key owns (NaN
+    codes included) change nothing, bit for bit."""
+    if not _gluon_ok(device):
+        pytest.skip("needs an sm90 GPU and Triton's Gluon")
+    case = make_case(device, tokens_per_req=[2, 1, 1], H=64, D=512, W=128, K=128, ratio=2, block_size=64,
+                     dtype=torch.bfloat16, seed=5, max_len=900)
+    config = DecodeConfig(gluon=True)
+    out = sparse_mla_decode(case.q, **case.args, config=config)
+    _scramble_unowned_bytes(case)
+    assert torch.equal(sparse_mla_decode(case.q, **case.args, config=config), out)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run in Triton's interpreter")
+def test_gluon_refuses_what_it_cannot_run(device):
+    """``gluon=True`` on inputs the kernel does not take is an error, not a silent fallback."""
+    case = make_case(device, tokens_per_req=[1], H=4, D=64, W=8, K=4, ratio=2, block_size=8,
+                     dtype=torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="gluon=True"):
+        sparse_mla_decode(case.q, **case.args, config=DecodeConfig(gluon=True))
+
+
+_T = dict(gluon=False)  # these are the Triton kernel's launch options
 CONFIGS = [
-    DecodeConfig(block_n=16, num_warps=4, num_splits=1),
-    DecodeConfig(block_n=32, num_splits=2),
-    DecodeConfig(block_n=16, num_splits=3),
-    DecodeConfig(num_splits=40),  # clamped to the number of tiles
-    DecodeConfig(split_s=False),
-    DecodeConfig(lazy_rescale=False),
-    DecodeConfig(fast_fp4=False),
-    DecodeConfig(num_stages=1),
-    DecodeConfig(block_h=16),  # four head blocks per token on the GPU
-    DecodeConfig(num_stages=2),
-    DecodeConfig(prefetch=0),
-    DecodeConfig(prefetch=2),
-    DecodeConfig(prefetch=3),
-    DecodeConfig(prefetch=2, num_stages=1),
-    DecodeConfig(prefetch=3, block_n=16, num_splits=3),  # split tile ranges + prefetch
+    DecodeConfig(block_n=16, num_warps=4, num_splits=1, **_T),
+    DecodeConfig(block_n=32, num_splits=2, **_T),
+    DecodeConfig(block_n=16, num_splits=3, **_T),
+    DecodeConfig(num_splits=40, **_T),  # clamped to the number of tiles
+    DecodeConfig(split_s=False, **_T),
+    DecodeConfig(lazy_rescale=False, **_T),
+    DecodeConfig(fast_fp4=False, **_T),
+    DecodeConfig(num_stages=1, **_T),
+    DecodeConfig(block_h=16, **_T),  # four head blocks per token on the GPU
+    DecodeConfig(num_stages=2, **_T),
+    DecodeConfig(prefetch=0, **_T),
+    DecodeConfig(prefetch=2, **_T),
+    DecodeConfig(prefetch=3, **_T),
+    DecodeConfig(prefetch=2, num_stages=1, **_T),
+    DecodeConfig(prefetch=3, block_n=16, num_splits=3, **_T),  # split tile ranges + prefetch
 ]
 
 
@@ -237,12 +302,12 @@ def test_fast_fp4_is_exact(device, ratio):
     agree bit for bit."""
     case = make_case(device, tokens_per_req=[1, 3, 2], H=64, D=512, W=128, K=512, ratio=ratio,
                      block_size=64, dtype=torch.bfloat16, seed=21, max_len=5000)
-    fast = sparse_mla_decode(case.q, **case.args, config=DecodeConfig(fast_fp4=True))
-    slow = sparse_mla_decode(case.q, **case.args, config=DecodeConfig(fast_fp4=False))
+    fast = sparse_mla_decode(case.q, **case.args, config=DecodeConfig(fast_fp4=True, gluon=False))
+    slow = sparse_mla_decode(case.q, **case.args, config=DecodeConfig(fast_fp4=False, gluon=False))
     assert torch.equal(fast, slow)
     # the prefetch pipeline reorders loads only: same tiles, same arithmetic, same bits
     for prefetch in (0, 2, 3):
-        config = DecodeConfig(prefetch=prefetch)
+        config = DecodeConfig(prefetch=prefetch, gluon=False)
         assert torch.equal(sparse_mla_decode(case.q, **case.args, config=config), fast)
 
 
@@ -297,6 +362,15 @@ def _valid_record_bytes(case: Case) -> torch.Tensor:
     return keep
 
 
+def _scramble_unowned_bytes(case: Case) -> None:
+    """Rewrite every page byte no valid key owns with random bytes (NaN codes included)."""
+    keep = _valid_record_bytes(case).to(case.buf.device)
+    noise = torch.randint(0, 256, case.buf.shape, dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(9))
+    noise[:, ::7] = 0x7F  # NaN e4m3 codes
+    case.buf.copy_(torch.where(keep, case.buf, noise.to(case.buf.device)))
+
+
 @pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("ratio", [None, 2])
 def test_invalid_keys_never_read(device, ratio, prefetch):
@@ -306,11 +380,7 @@ def test_invalid_keys_never_read(device, ratio, prefetch):
                      dtype=torch.float32, seed=5)
     config = replace(default_config(case.q.dtype), prefetch=prefetch, block_n=16)
     out = sparse_mla_decode(case.q, **case.args, config=config)
-    keep = _valid_record_bytes(case).to(device)
-    noise = torch.randint(0, 256, case.buf.shape, dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(9))
-    noise[:, ::7] = 0x7F  # NaN e4m3 codes
-    case.buf.copy_(torch.where(keep, case.buf, noise.to(device)))
+    _scramble_unowned_bytes(case)
     assert torch.equal(sparse_mla_decode(case.q, **case.args, config=config), out)
 
 

@@ -19,6 +19,11 @@ Small batches split the key tiles of a token over ``num_splits`` programs
 (flash-decoding); their unnormalised fp32 partials are merged by a second kernel.
 The reference is ``deepinfer_vllm.ops.paged_attention.paged_sparse_attention``.
 
+On sm90 with bf16 queries and D = 512 the wrapper runs the warp-specialised Gluon kernel of
+``sparse_mla_decode_gluon`` instead (same tiles, same operator; 1.4-1.5x faster at 64-256
+tokens on the H200), unless ``DecodeConfig(gluon=False)``. This Triton kernel covers fp32,
+other head dims, other GPUs and Triton's interpreter.
+
 Performance notes (H200, bf16; SASS inspected offline, timings by the benchmark):
 * With 8 warps and 64 heads Triton would let both warpgroups compute all of S;
   ``split_s`` hides the S -> PV chain behind a runtime branch so S's key columns
@@ -41,6 +46,7 @@ Performance notes (H200, bf16; SASS inspected offline, timings by the benchmark)
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -48,8 +54,11 @@ import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.triton.e2m1 import e2m1_pairs_f16
+from deepinfer_vllm.ops.triton.sparse_mla_decode_gluon import gluon_decode, gluon_decode_supported
 
 __all__ = ["DecodeConfig", "auto_splits", "default_config", "sparse_mla_decode"]
+
+logger = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (no inf - inf)
@@ -432,6 +441,9 @@ class DecodeConfig:
     table -> record bytes) in registers, a tile ahead: 0 off, 1 the index loads only,
     2 also the record bytes, 3 as 2 with the first tiles' index loads issued before
     the window tiles. Costs registers (sm90 offline: spills ~0.5 KB -> 0.7-0.9 KB).
+    ``gluon``: the warp-specialised sm90 kernel of ``sparse_mla_decode_gluon`` (bf16, D = 512;
+    64-key tiles, 64 heads per program; only ``num_splits`` applies to it). None = use it
+    where supported, True = require it, False = never.
     Measured on the H200 (Triton 3.6): prefetch 1 is fastest at 64-256 tokens
     (T=256: 123 us vs 129 us without); 2 and 3 lose to their extra spills.
     """
@@ -445,6 +457,7 @@ class DecodeConfig:
     lazy_rescale: bool = True
     fast_fp4: bool = True
     prefetch: int = 1
+    gluon: bool | None = None
 
 
 # fp32 queries take the FMA path (IEEE products, operands in registers): small head and
@@ -647,6 +660,15 @@ def _launch(o: _Operands, cfg: DecodeConfig) -> None:
     q, out = o.q, o.out
     T, H, D = q.shape
     dev = q.device
+    if _use_gluon(o, cfg):
+        try:
+            _launch_gluon(o, cfg)
+            return
+        except Exception as exc:  # a Triton without a working Gluon for this device
+            if cfg.gluon:
+                raise
+            _GLUON_BROKEN.add(dev.index)
+            logger.warning("sparse_mla_decode: the Gluon kernel failed (%s); using the Triton kernel", exc)
     # one program per (token, split, block of heads); 16 rows are tl.dot's minimum
     block_h = min(max(16, cfg.block_h), max(16, triton.next_power_of_2(H)))
     head_blocks = triton.cdiv(H, block_h)
@@ -687,11 +709,50 @@ def _launch(o: _Operands, cfg: DecodeConfig) -> None:
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        chunk_h = 16
-        _combine_kernel[(T, h_pad // chunk_h)](
-            part_acc, part_m, part_l,
-            out, out.stride(0), out.stride(1),
-            T, H,
-            splits, D=D, H_PAD=h_pad, CHUNK_H=chunk_h, BLOCK_D=block_d,
-            num_warps=4,
-        )
+        _combine(part_acc, part_m, part_l, out, splits, h_pad, block_d)
+
+
+def _combine(part_acc, part_m, part_l, out, splits: int, h_pad: int, block_d: int) -> None:
+    """Merge the flash-decoding partials (m, l, acc per split) into ``out``."""
+    T, H, D = out.shape
+    chunk_h = 16
+    _combine_kernel[(T, h_pad // chunk_h)](
+        part_acc, part_m, part_l,
+        out, out.stride(0), out.stride(1),
+        T, H,
+        splits, D=D, H_PAD=h_pad, CHUNK_H=chunk_h, BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+_GLUON_BROKEN: set = set()
+
+
+def _use_gluon(o: _Operands, cfg: DecodeConfig) -> bool:
+    if cfg.gluon is False or (cfg.gluon is None and o.q.device.index in _GLUON_BROKEN):
+        return False
+    caches = [o.window_cache] + ([o.comp_cache] if o.has_comp else [])
+    ok = gluon_decode_supported(o.q, caches)
+    if cfg.gluon and not ok:
+        raise ValueError("DecodeConfig(gluon=True) needs sm90, bf16 q, D = 512, 16-byte aligned "
+                         "pages and Triton's Gluon")
+    return ok
+
+
+def _launch_gluon(o: _Operands, cfg: DecodeConfig) -> None:
+    """The warp-specialised kernel (64-key tiles, 64 heads per program) + the same combine."""
+    q = o.q
+    T, H, D = q.shape
+    h_pad = triton.cdiv(H, 64) * 64
+    num_tiles = triton.cdiv(o.window, 64) + (triton.cdiv(o.K, 64) if o.has_comp else 0)
+    splits = cfg.num_splits or auto_splits(T * (h_pad // 64), num_tiles, q.device)
+    splits = max(1, min(splits, num_tiles))
+    if splits > 1:
+        part_acc = torch.empty(splits, T, h_pad, D, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(splits, T, h_pad, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = o.out  # unused
+    gluon_decode(o, splits, part_acc, part_m, part_l, h_pad)
+    if splits > 1:
+        _combine(part_acc, part_m, part_l, o.out, splits, h_pad, D)

@@ -1,0 +1,564 @@
+"""Sparse MLA decode on Hopper in Gluon, warp-specialised (sm90 only).
+
+Same semantics as ``sparse_mla_decode.sparse_mla_decode`` (window MXFP8 keys, top-k NVFP4
+keys, sink in the denominator, keys = values, 64 heads per program). The Triton kernel runs
+the dequantisation and both matmuls back to back in one instruction stream; here three
+warpgroups of one CTA each do one job, handing tiles of 64 keys over shared memory:
+
+* **producer** (4 warps): gathers a tile's records (index chain one tile ahead), dequantises
+  them exactly to bf16 in registers and stores the ``[64, 512]`` tile into one of two
+  shared-memory buffers, with each key's validity;
+* **softmax warpgroup** (the default partition): ``S = Q K^T`` (both operands in shared
+  memory), the online softmax, ``P`` (bf16) and the per-row rescale factor to shared memory
+  for the other warpgroup, then ``O[:, :256] += P K[:, :256]`` with ``P`` in registers;
+* **second PV warpgroup**: ``O[:, 256:] = alpha O[:, 256:] + P K[:, 256:]`` from shared memory.
+
+Each ``[64, 256]`` fp32 half of the accumulator takes 128 registers per thread of its
+warpgroup, which is why the output is split over two warpgroups (FlashMLA's decode kernel
+splits the same way). Numbers: e2m1 times its e4m3 scale and e4m3 times 2^k are exact in
+bf16, so the tiles equal the Triton kernel's; logits, softmax and accumulation are fp32.
+
+Small batches split a token's tiles over ``num_splits`` programs (flash-decoding) and use the
+Triton kernel's combine step.
+
+Measured on the H200 (Triton 3.6; ``benchmarks/README.md``, run 5): 64 heads, 128 window + 512
+top-k keys, T=256: 84 us, 255 TFLOP/s, 32 % of the bf16 matmul rate (the Triton kernel: 124
+us). Per-tile clock stamps (``gluon_decode(timing=...)``) show the producer is the bottleneck:
+~4100 cycles to gather and decode a tile (~3500 with no memory traffic at all) against
+~3100 for the softmax warpgroup's chain (S 1170, softmax 650-1150, PV 1270). Things that did
+not work, and why:
+
+* a second producer warpgroup (16 warps): ptxas compiles every worker partition against the
+  kernel-wide register limit (65536 / 512 threads = 128), and the second PV warpgroup needs
+  ~152 (its accumulator alone is 128);
+* computing S of the next tile while the softmax runs: costs the producer registers (spills),
+  slower while the producer is the bottleneck;
+* 4 lanes per key in the producer (128-byte row segments): 12 % slower than 2 lanes per key.
+
+Triton 3.6 puts a ``convert_layout``'s scratch buffer where the warp-specialised partitions
+read their captured arguments; a conversion in one partition corrupted another's loop bound
+(nondeterministic results whenever a tile buffer was reused). No partition converts layouts
+through shared memory now (the softmax's conversions are checked ``assert_trivial``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+except Exception:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+__all__ = ["GLUON_AVAILABLE", "gluon_decode", "gluon_decode_supported"]
+
+GLUON_AVAILABLE = gluon is not None
+
+_LOG2E = 1.4426950408889634
+
+
+def gluon_decode_supported(q: torch.Tensor, caches: list[torch.Tensor]) -> bool:
+    """sm90, bf16, D = 512, caches whose pages start 16-byte aligned (records are read as
+    32-bit words, 16 bytes at a time)."""
+    if not (GLUON_AVAILABLE and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] == 512):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    return all(c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0 for c in caches)
+
+
+if GLUON_AVAILABLE:
+    # e2m1 codes -> bf16 by byte-permute tables, then times the block's bf16 scale (exact: the
+    # product has <= 6 significant bits and lies in [2^-10, 2688]). ``prmt`` with the codes as
+    # selectors looks up the low and high bytes of bf16(|code|) (magnitude bits only); with
+    # the raw codes and a table of 0x80 bytes it gives 0xFF for negative codes, 0x80 otherwise,
+    # whose bit 6 shifted to bit 7 is the sign. Two more ``prmt`` interleave low and high bytes.
+    # In: $8 = 4 bytes (8 codes, dim 2b in byte b's low nibble), $9 = bf16x2 scale.
+    # Out: 8 bf16, dims 0..7. 21 instructions per 8 values.
+    def _fp4_quad_ptx(mag: str, raw: str, out: int) -> str:
+        """PTX for 4 codes: selectors ``mag`` (magnitudes) / ``raw`` (with signs) -> $out..$out+3."""
+        return f"""prmt.b32 pl, 0xC0800000, 0xC0804000, {mag};
+prmt.b32 ph, 0x3F3F3F00, 0x40404040, {mag};
+prmt.b32 sg, 0x80808080, 0x80808080, {raw};
+shl.b32 sg, sg, 1;
+and.b32 sg, sg, 0x80808080;
+or.b32 ph, ph, sg;
+prmt.b32 r, pl, ph, 0x5140;
+mul.rn.bf16x2 r, r, $9;
+mov.b32 {{${out}, ${out + 1}}}, r;
+prmt.b32 r, pl, ph, 0x7362;
+mul.rn.bf16x2 r, r, $9;
+mov.b32 {{${out + 2}, ${out + 3}}}, r;
+"""
+
+    _FP4_WORD_PTX = gl.constexpr("""{
+.reg .b32 m, mh, xh, pl, ph, sg, r;
+and.b32 m, $8, 0x77777777;
+shr.b32 mh, m, 16;
+shr.b32 xh, $8, 16;
+""" + _fp4_quad_ptx("m", "$8", 0) + _fp4_quad_ptx("mh", "xh", 4) + "}")
+
+    # e4m3 scale byte -> bf16x2 (the scale in both halves), exactly.
+    _FP4_SCALE_PTX = gl.constexpr("""{
+.reg .b32 t;
+.reg .b16 lo, hi;
+.reg .f32 v;
+prmt.b32 t, $1, 0, 0x4400;
+mov.b32 {lo, hi}, t;
+cvt.rn.f16x2.e4m3x2 t, lo;
+mov.b32 {lo, hi}, t;
+cvt.f32.f16 v, lo;
+cvt.rn.bf16x2.f32 $0, v, v;
+}""")
+
+    # 4 e4m3 bytes times 2^k (fp32 $5) -> 4 bf16 (exact unless the product leaves bf16's range).
+    _FP8_WORD_PTX = gl.constexpr("""{
+.reg .b32 f0, f1;
+.reg .b16 q0, q1, g0, g1;
+.reg .f32 v0, v1, v2, v3;
+mov.b32 {q0, q1}, $4;
+cvt.rn.f16x2.e4m3x2 f0, q0;
+cvt.rn.f16x2.e4m3x2 f1, q1;
+mov.b32 {g0, g1}, f0;
+cvt.f32.f16 v0, g0;
+cvt.f32.f16 v1, g1;
+mov.b32 {g0, g1}, f1;
+cvt.f32.f16 v2, g0;
+cvt.f32.f16 v3, g1;
+mul.rn.f32 v0, v0, $5;
+mul.rn.f32 v1, v1, $5;
+mul.rn.f32 v2, v2, $5;
+mul.rn.f32 v3, v3, $5;
+cvt.rn.bf16.f32 $0, v0;
+cvt.rn.bf16.f32 $1, v1;
+cvt.rn.bf16.f32 $2, v2;
+cvt.rn.bf16.f32 $3, v3;
+}""")
+
+    @gluon.jit
+    def _stamp(dbg_ptr, ev, it, NT: gl.constexpr):
+        """Debug timing: the SM clock at event ``ev`` of tile ``it`` (one row of 16 events per program)."""
+        if NT > 0:
+            c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [it], dtype=gl.int64,
+                                          is_pure=False, pack=1)
+            pid = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+            pid = pid * gl.num_programs(2) + gl.program_id(2)
+            gl.store(dbg_ptr + (pid.to(gl.int64) * 16 + ev) * NT + it, c)
+
+    @gluon.jit
+    def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
+        """8 tensors -> one with a trailing [2, 2, 2] (index e + 2 f + 4 g = output e+2f+4g)."""
+        return gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+
+    # ------------------------------------------------------------------ producer
+    # Producer layouts: 128 dims (a "chunk") of the 64 keys of a tile at a time; thread (warp w,
+    # lane l) takes key 16 w + l // 2, dims 64 (l % 2) .. + 63 of the chunk.
+    # FP4: words [key, h, block b, i] of 8 codes; FP8: words [key, h, b, w] of 4 values.
+    _W4 = gl.constexpr(gl.BlockedLayout([1, 1, 4, 2], [16, 2, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+    _W8 = gl.constexpr(gl.BlockedLayout([1, 1, 2, 8], [16, 2, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+
+    @gluon.jit
+    def _words_offsets(c, NB: gl.constexpr, NI: gl.constexpr, WL: gl.constexpr):
+        """Word offsets ``c + (NB * NI) h + NI b + i`` as a [1, 2, NB, NI] tensor of layout WL."""
+        L3: gl.constexpr = gl.SliceLayout(0, WL)
+        hh = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        bb = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        ii = gl.arange(0, NI, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        off = (c + NB * NI * hh)[:, None, None] + (NI * bb)[None, :, None] + ii[None, None, :]
+        return off[None, :, :, :]
+
+    @gluon.jit
+    def _fp4_chunk_load(vals, scales, ok, c):
+        """Raw bytes of dims 128 c .. 128 c + 127 of each thread's key (``vals`` / ``scales``:
+        the record's value and scale bases, ``ok``: read it): 8 words and 1 scale word."""
+        wp = vals.to(gl.pointer_type(gl.int32))
+        words = gl.load(wp[:, None, None, None] + _words_offsets(16 * c, 4, 2, _W4),
+                        mask=ok[:, None, None, None], other=0)
+        hs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, _W4))))
+        sp = scales.to(gl.pointer_type(gl.int32))
+        scl = gl.load(sp[:, None] + (2 * c + hs)[None, :], mask=ok[:, None], other=0)
+        return words, scl
+
+    @gluon.jit
+    def _fp4_tile_load(vals, scales, ok):
+        w0, s0 = _fp4_chunk_load(vals, scales, ok, 0)
+        w1, s1 = _fp4_chunk_load(vals, scales, ok, 1)
+        w2, s2 = _fp4_chunk_load(vals, scales, ok, 2)
+        w3, s3 = _fp4_chunk_load(vals, scales, ok, 3)
+        return w0, w1, w2, w3, s0, s1, s2, s3
+
+    @gluon.jit
+    def _fp4_chunk_store(words, scl, dst):
+        """Decode one chunk (``_fp4_chunk_load``) and store it as bf16 into ``dst`` [64, 128]."""
+        bs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, _W4))))
+        sb = (scl[:, :, None] >> (8 * bs)[None, None, :]) & 255
+        f = gl.inline_asm_elementwise(_FP4_SCALE_PTX, "=r,r", [sb], dtype=gl.int32, is_pure=True, pack=1)
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _FP4_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, gl.expand_dims(f, 3)],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        x = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [64, h, b, i, e, f, g]
+        x = gl.permute(x, [0, 1, 2, 3, 6, 5, 4])
+        dst.store(gl.reshape(x, [64, 128]))  # dim 64 h + 16 b + 8 i + 4 g + 2 f + e
+
+    @gluon.jit
+    def _fp8_chunk_load(vals, scales, ok, c):
+        """Raw bytes of dims 128 c .. + 127: 16 words (4 values each) and 2 UE8M0 bytes."""
+        wp = vals.to(gl.pointer_type(gl.int32))
+        words = gl.load(wp[:, None, None, None] + _words_offsets(32 * c, 2, 8, _W8),
+                        mask=ok[:, None, None, None], other=0)
+        SL: gl.constexpr = gl.SliceLayout(3, _W8)
+        hs = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(0, SL)))
+        bs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, SL)))
+        soff = (4 * c + 2 * hs)[:, None] + bs[None, :]
+        scl = gl.load(scales[:, None, None] + soff[None, :, :], mask=ok[:, None, None], other=127)
+        return words, scl
+
+    @gluon.jit
+    def _fp8_chunk_store(words, scl, dst):
+        si = scl.to(gl.int32)
+        bits = gl.where(si == 0, 0x400000, si << 23)
+        bits = gl.where(si == 255, 0x7FC00000, bits)
+        f = gl.expand_dims(bits.to(gl.float32, bitcast=True), 3)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _FP8_WORD_PTX, "=h,=h,=h,=h,r,f", [words, f], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=1)
+        x = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [64, h, b, w, e, f]
+        x = gl.permute(x, [0, 1, 2, 3, 5, 4])
+        dst.store(gl.reshape(x, [64, 128]))  # dim 64 h + 32 b + 4 w + 2 f + e
+
+    @gluon.jit
+    def _window_keys(i, pos, lo, req, n, w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
+                     W: gl.constexpr, W_BS: gl.constexpr, D: gl.constexpr):
+        """Value and scale bases, validity of window tile ``i``'s keys ``n`` (positions
+        ``pos - W + 1 + 64 i + n``, visible from ``lo``). Invalid keys are never read."""
+        j = i * 64 + n
+        kp = pos - (W - 1) + j
+        ok = (j < W) & (kp >= lo)
+        kp = gl.where(ok, kp, 0)
+        blk = gl.load(w_bt_ptr + req * w_bt_stride + kp // W_BS, mask=ok, other=0)
+        base = w_cache_ptr + blk.to(gl.int64) * w_block_stride
+        slot = kp % W_BS
+        return base + slot * D, base + W_BS * D + slot * (D // 32), ok
+
+    @gluon.jit
+    def _comp_keys(i, live, t, req, n, topk_ptr, topk_stride, c_cache_ptr, c_block_stride, c_bt_ptr,
+                   c_bt_stride, K: gl.constexpr, C_BS: gl.constexpr, RATIO: gl.constexpr, NW: gl.constexpr,
+                   D: gl.constexpr):
+        """The same for compressed tile ``i``: entries ``topk[t, 64 (i - NW) + n]`` (-1 = none);
+        nothing is read unless ``live``."""
+        j = (i - NW) * 64 + n
+        e = gl.load(topk_ptr + t.to(gl.int64) * topk_stride + j, mask=(j < K) & live, other=-1).to(gl.int32)
+        ok = e >= 0
+        first = gl.where(ok, e, 0) * RATIO
+        blk = gl.load(c_bt_ptr + req * c_bt_stride + first // C_BS, mask=ok, other=0)
+        base = c_cache_ptr + blk.to(gl.int64) * c_block_stride
+        slot = (first % C_BS) // RATIO
+        return base + slot * (D // 2), base + (C_BS // RATIO) * (D // 2) + slot * (D // 16), ok
+
+    @gluon.jit
+    def _publish(ok_s, k_ready, b, ok, it, dbg_ptr, DBG_NT: gl.constexpr):
+        """Tile ``it`` is in buffer ``b``: its keys' validity, then the hand-over (the fence
+        orders the generic-proxy stores before the consumers' wgmma reads)."""
+        ok_s.index(b).store(ok.to(gl.int32))
+        _stamp(dbg_ptr, 1, it, DBG_NT)
+        fence_async_shared()
+        mbarrier.arrive(k_ready.index(b), count=1)
+
+    @gluon.jit
+    def _producer(k_s, ok_s, k_ready, k_free, t, pos, lo, req, i0, n_tiles,
+                  topk_ptr, topk_stride,
+                  w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
+                  c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
+                  W: gl.constexpr, W_BS: gl.constexpr, K: gl.constexpr, C_BS: gl.constexpr,
+                  RATIO: gl.constexpr, NW: gl.constexpr, D: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
+        """Worker: fills the two tile buffers in turn. Compressed tiles are software-pipelined:
+        tile j + 1's record bytes and tile j + 2's entries and block ids are in flight while
+        tile j is decoded (the window tiles, at most two, are not)."""
+        # (no convert_layout in this partition: Triton 3.6 puts its scratch buffer where the
+        # partitions' captured arguments live, and another partition may not have read them yet)
+        n4 = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _W4))))
+        n8 = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _W8))))
+        n_w = gl.minimum(gl.maximum(NW - i0, 0), n_tiles)
+        for it in range(n_w):
+            _stamp(dbg_ptr, 0, it, DBG_NT)
+            b = it % 2
+            vals, scales, ok = _window_keys(i0 + it, pos, lo, req, n8, w_cache_ptr, w_block_stride, w_bt_ptr,
+                                            w_bt_stride, W, W_BS, D)
+            dst = k_s.index(b)
+            # all four chunks' loads go out before the wait for the buffer
+            w0, s0 = _fp8_chunk_load(vals, scales, ok, 0)
+            w1, s1 = _fp8_chunk_load(vals, scales, ok, 1)
+            w2, s2 = _fp8_chunk_load(vals, scales, ok, 2)
+            w3, s3 = _fp8_chunk_load(vals, scales, ok, 3)
+            mbarrier.wait(k_free.index(b), ((it // 2) & 1) ^ 1)
+            _fp8_chunk_store(w0, s0, dst.slice(0, 128, dim=1))
+            _fp8_chunk_store(w1, s1, dst.slice(128, 128, dim=1))
+            _fp8_chunk_store(w2, s2, dst.slice(256, 128, dim=1))
+            _fp8_chunk_store(w3, s3, dst.slice(384, 128, dim=1))
+            _publish(ok_s, k_ready, b, ok, it, dbg_ptr, DBG_NT)
+
+        n_c = n_tiles - n_w
+        c0 = i0 + n_w
+        v, sc, ok = _comp_keys(c0, n_c > 0, t, req, n4, topk_ptr, topk_stride, c_cache_ptr, c_block_stride,
+                               c_bt_ptr, c_bt_stride, K, C_BS, RATIO, NW, D)
+        w0, w1, w2, w3, s0, s1, s2, s3 = _fp4_tile_load(v, sc, ok)
+        v, sc, ok_n = _comp_keys(c0 + 1, n_c > 1, t, req, n4, topk_ptr, topk_stride, c_cache_ptr,
+                                 c_block_stride, c_bt_ptr, c_bt_stride, K, C_BS, RATIO, NW, D)
+        for jt in range(n_c):
+            it = n_w + jt
+            _stamp(dbg_ptr, 0, it, DBG_NT)
+            b = it % 2
+            x0, x1, x2, x3, y0, y1, y2, y3 = _fp4_tile_load(v, sc, ok_n)
+            v, sc, ok_nn = _comp_keys(c0 + jt + 2, jt + 2 < n_c, t, req, n4, topk_ptr, topk_stride,
+                                      c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride, K, C_BS, RATIO,
+                                      NW, D)
+            dst = k_s.index(b)
+            mbarrier.wait(k_free.index(b), ((it // 2) & 1) ^ 1)
+            _fp4_chunk_store(w0, s0, dst.slice(0, 128, dim=1))
+            _fp4_chunk_store(w1, s1, dst.slice(128, 128, dim=1))
+            _fp4_chunk_store(w2, s2, dst.slice(256, 128, dim=1))
+            _fp4_chunk_store(w3, s3, dst.slice(384, 128, dim=1))
+            _publish(ok_s, k_ready, b, ok, it, dbg_ptr, DBG_NT)
+            w0, w1, w2, w3, s0, s1, s2, s3 = x0, x1, x2, x3, y0, y1, y2, y3
+            ok = ok_n
+            ok_n = ok_nn
+
+    # ------------------------------------------------------------------ consumers
+    # wgmma accumulator layouts: S [64 heads, 64 keys] and one output half [64, 256]
+    _MS = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 64, 16]))
+    _MO = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 256, 16]))
+
+    @gluon.jit
+    def _softmax_step(s, it, m_i, l_i, acc, k_s, ok_s, p_s, a_s, k_free, p_ready, p_free, qk_scale,
+                      dbg_ptr, DBG_NT: gl.constexpr):
+        """The softmax warpgroup's work on tile ``it`` once its logits ``s`` are in registers:
+        online softmax, P and alpha to shared memory, ``O[:, :256] += P K[:, :256]``."""
+        MS: gl.constexpr = _MS
+        MO: gl.constexpr = _MO
+        PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
+        RO: gl.constexpr = gl.SliceLayout(1, MO)
+        b = it % 2
+        okv = ok_s.index(b).load(gl.SliceLayout(0, MS))
+        s = gl.where((okv != 0)[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        pb = p.to(gl.bfloat16)
+        _stamp(dbg_ptr, 6, it, DBG_NT)
+        mbarrier.wait(p_free, (it & 1) ^ 1)  # the other warpgroup is done with the last P
+        _stamp(dbg_ptr, 7, it, DBG_NT)
+        p_s.store(pb)
+        a_s.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+        acc = acc * gl.convert_layout(alpha, RO, assert_trivial=True)[:, None]
+        tok = warpgroup_mma(gl.convert_layout(pb, PA, assert_trivial=True), k_s.index(b).slice(0, 256, dim=1),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[tok])
+        _stamp(dbg_ptr, 8, it, DBG_NT)
+        mbarrier.arrive(k_free.index(b), count=1)
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _softmax_pv0(q_s, k_s, ok_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin,
+                     n_tiles, m0, l0, qk_scale, t, h0, H, T, split,
+                     out_ptr, stride_ot, stride_oh, part_acc_ptr, part_m_ptr, part_l_ptr,
+                     H_PAD: gl.constexpr, PARTIAL: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
+        """Default partition: S, the online softmax, P and alpha for the other warpgroup, and
+        the first half of the output."""
+        MS: gl.constexpr = _MS
+        MO: gl.constexpr = _MO
+        RS: gl.constexpr = gl.SliceLayout(1, MS)
+        RO: gl.constexpr = gl.SliceLayout(1, MO)
+        m_i = m0
+        l_i = l0
+        acc = gl.zeros([64, 256], gl.float32, MO)
+        s0 = gl.zeros([64, 64], gl.float32, MS)
+        for it in range(n_tiles):
+            mbarrier.wait(k_ready.index(it % 2), (it // 2) & 1)
+            _stamp(dbg_ptr, 4, it, DBG_NT)
+            s = warpgroup_mma(q_s, k_s.index(it % 2).permute((1, 0)), s0, use_acc=False)
+            _stamp(dbg_ptr, 5, it, DBG_NT)
+            m_i, l_i, acc = _softmax_step(s, it, m_i, l_i, acc, k_s, ok_s, p_s, a_s, k_free, p_ready, p_free,
+                                          qk_scale, dbg_ptr, DBG_NT)
+        rows = h0 + gl.arange(0, 64, layout=RO)
+        cols = gl.arange(0, 256, layout=gl.SliceLayout(0, MO))
+        if PARTIAL:
+            prow = (split.to(gl.int64) * T + t) * H_PAD + h0 + gl.arange(0, 64, layout=RS)
+            gl.store(part_m_ptr + prow, m_i)
+            gl.store(part_l_ptr + prow, l_i)
+            arow = (split.to(gl.int64) * T + t) * H_PAD + rows
+            gl.store(part_acc_ptr + arow[:, None] * 512 + cols[None, :], acc)
+        else:
+            l_s.store(l_i)
+            mbarrier.arrive(fin, count=1)
+            l_safe = gl.convert_layout(gl.where(l_i > 0, l_i, 1.0), RO, assert_trivial=True)
+            o = (acc / l_safe[:, None]).to(gl.bfloat16)
+            ptr = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh + cols[None, :]
+            gl.store(ptr, o, mask=(rows < H)[:, None])
+
+    @gluon.jit
+    def _pv1(k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin,
+             n_tiles, t, h0, H, T, split,
+             out_ptr, stride_ot, stride_oh, part_acc_ptr,
+             H_PAD: gl.constexpr, PARTIAL: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
+        """Worker: the second half of the output, from the P and alpha in shared memory."""
+        MO: gl.constexpr = _MO
+        RO: gl.constexpr = gl.SliceLayout(1, MO)
+        acc = gl.zeros([64, 256], gl.float32, MO)
+        for it in range(n_tiles):
+            b = it % 2
+            mbarrier.wait(k_ready.index(b), (it // 2) & 1)
+            mbarrier.wait(p_ready, it & 1)
+            _stamp(dbg_ptr, 10, it, DBG_NT)
+            alpha = a_s.load(RO)
+            acc = acc * alpha[:, None]
+            acc = warpgroup_mma(p_s, k_s.index(b).slice(256, 256, dim=1), acc)
+            _stamp(dbg_ptr, 11, it, DBG_NT)
+            mbarrier.arrive(p_free, count=1)
+            mbarrier.arrive(k_free.index(b), count=1)
+        rows = h0 + gl.arange(0, 64, layout=RO)
+        cols = 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, MO))
+        if PARTIAL:
+            arow = (split.to(gl.int64) * T + t) * H_PAD + rows
+            gl.store(part_acc_ptr + arow[:, None] * 512 + cols[None, :], acc)
+        else:
+            mbarrier.wait(fin, 0)
+            l_i = l_s.load(RO)
+            o = (acc / gl.where(l_i > 0, l_i, 1.0)[:, None]).to(gl.bfloat16)
+            ptr = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh + cols[None, :]
+            gl.store(ptr, o, mask=(rows < H)[:, None])
+
+    # ------------------------------------------------------------------ kernel
+    @gluon.jit
+    def _decode_kernel(
+        q_ptr, stride_qt, stride_qh,
+        out_ptr, stride_ot, stride_oh,
+        part_acc_ptr, part_m_ptr, part_l_ptr,
+        sink_ptr, pos_ptr, lo_ptr, req_ptr,
+        w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
+        c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
+        topk_ptr, topk_stride,
+        T, H, qk_scale, num_splits,
+        D: gl.constexpr, W: gl.constexpr, W_BS: gl.constexpr,
+        K: gl.constexpr, C_BS: gl.constexpr, RATIO: gl.constexpr,
+        NW: gl.constexpr, NT: gl.constexpr, HAS_SINK: gl.constexpr,
+        H_PAD: gl.constexpr, PARTIAL: gl.constexpr,
+        PV1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        dbg_ptr, DBG_NT: gl.constexpr,
+    ):
+        t = gl.program_id(0)
+        split = gl.program_id(1)
+        h0 = gl.program_id(2) * 64
+        pos = gl.load(pos_ptr + t).to(gl.int32)
+        lo = gl.maximum(gl.load(lo_ptr + t).to(gl.int32), 0)
+        req = gl.load(req_ptr + t).to(gl.int64)
+        if PARTIAL:
+            t0 = (split * NT) // num_splits
+            t1 = ((split + 1) * NT) // num_splits
+        else:
+            t0 = 0
+            t1 = NT
+        # window tiles before the first visible position hold no key: skip them
+        w_first = gl.maximum(lo - (pos - (W - 1)), 0) // 64
+        i0 = gl.maximum(t0, gl.minimum(w_first, NW))
+        n_tiles = gl.maximum(t1 - i0, 0)
+
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        RS: gl.constexpr = gl.SliceLayout(1, _MS)
+        QSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+        PSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        VL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], QSL)
+        k_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], QSL)
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], PSL)
+        ok_s = gl.allocate_shared_memory(gl.int32, [2, 64], VL)
+        a_s = gl.allocate_shared_memory(gl.float32, [64], VL)
+        l_s = gl.allocate_shared_memory(gl.float32, [64], VL)
+        BL: gl.constexpr = mbarrier.MBarrierLayout()
+        k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], BL)
+        k_free = gl.allocate_shared_memory(gl.int64, [2, 1], BL)
+        bars = gl.allocate_shared_memory(gl.int64, [4, 1], BL)
+        p_ready = bars.index(0)
+        p_free = bars.index(1)
+        fin = bars.index(2)
+        mbarrier.init(k_ready.index(0), count=1)
+        mbarrier.init(k_ready.index(1), count=1)
+        mbarrier.init(k_free.index(0), count=2)
+        mbarrier.init(k_free.index(1), count=2)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        mbarrier.init(fin, count=1)
+
+        hq = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+        dq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+        q_row = q_ptr + t.to(gl.int64) * stride_qt + hq[:, None] * stride_qh
+        for c in gl.static_range(4):
+            qv = gl.load(q_row + (128 * c + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
+            q_s.slice(128 * c, 128, dim=1).store(qv)
+        fence_async_shared()
+
+        hr = h0 + gl.arange(0, 64, layout=RS)
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + hr, mask=hr < H, other=0.0).to(gl.float32) * 1.4426950408889634
+            m0 = gl.where(split == 0, sink, -1.0e30)
+            l0 = gl.where(split == 0, 1.0, 0.0) + gl.zeros([64], gl.float32, RS)
+        else:
+            m0 = gl.full([64], -1.0e30, gl.float32, RS)
+            l0 = gl.zeros([64], gl.float32, RS)
+
+        gl.warp_specialize([
+            (_softmax_pv0, (q_s, k_s, ok_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin,
+                            n_tiles, m0, l0, qk_scale, t, h0, H, T, split,
+                            out_ptr, stride_ot, stride_oh, part_acc_ptr, part_m_ptr, part_l_ptr,
+                            H_PAD, PARTIAL, dbg_ptr, DBG_NT)),
+            (_pv1, (k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin,
+                    n_tiles, t, h0, H, T, split,
+                    out_ptr, stride_ot, stride_oh, part_acc_ptr, H_PAD, PARTIAL, dbg_ptr, DBG_NT)),
+            (_producer, (k_s, ok_s, k_ready, k_free, t, pos, lo, req, i0, n_tiles,
+                         topk_ptr, topk_stride,
+                         w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
+                         c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
+                         W, W_BS, K, C_BS, RATIO, NW, D, dbg_ptr, DBG_NT)),
+        ], [4, 4], [PV1_REGS, PRODUCER_REGS])
+
+
+def gluon_decode(o, splits: int, part_acc, part_m, part_l, h_pad: int,
+                 pv1_regs: int = 160, producer_regs: int = 128, maxnreg: int = 168,
+                 timing: torch.Tensor | None = None) -> None:
+    """Launch on checked operands (``sparse_mla_decode._Operands``), 64 heads per program.
+
+    Registers per thread: the second PV warpgroup ``pv1_regs``, the producer
+    ``producer_regs``, the softmax warpgroup the rest of ``3 * maxnreg`` (216; 384 threads
+    allow ``maxnreg`` <= 170). ``timing`` (debug; int64 ``[programs, 16, tiles]``) receives
+    ``%clock64`` stamps: producer tile start (0) / stored (1); softmax warpgroup after the
+    tile's ready wait (4), after S (5), before / after waiting for the P buffer (6 / 7),
+    after its PV (8); second PV warpgroup after the P wait (10), after its PV (11).
+    """
+    q, out = o.q, o.out
+    T, H, D = q.shape
+    window_tiles = -(-o.window // 64)
+    num_tiles = window_tiles + (-(-o.K // 64) if o.has_comp else 0)
+    _decode_kernel[(T, splits, h_pad // 64)](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        part_acc, part_m, part_l,
+        o.sink if o.sink is not None else q, o.positions, o.window_lo, o.token_req,
+        o.window_cache, o.w_stride, o.window_block_table, o.window_block_table.stride(0),
+        o.comp_cache, o.c_stride, o.comp_block_table, o.comp_block_table.stride(0),
+        o.topk, o.topk.stride(0),
+        T, H, o.scale * _LOG2E, splits,
+        D=D, W=o.window, W_BS=o.window_block_size,
+        K=o.K, C_BS=o.comp_block_size, RATIO=o.comp_ratio,
+        NW=window_tiles, NT=num_tiles, HAS_SINK=o.sink is not None,
+        H_PAD=h_pad, PARTIAL=splits > 1,
+        PV1_REGS=pv1_regs, PRODUCER_REGS=producer_regs,
+        dbg_ptr=timing if timing is not None else part_m,
+        DBG_NT=timing.shape[-1] if timing is not None else 0,
+        num_warps=4, maxnreg=maxnreg,
+    )
