@@ -70,17 +70,19 @@ def gluon_decode_supported(q: torch.Tensor, caches: list[torch.Tensor]) -> bool:
     return all(c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0 for c in caches)
 
 
-if GLUON_AVAILABLE:
-    # e2m1 codes -> bf16 by byte-permute tables, then times the block's bf16 scale (exact: the
-    # product has <= 6 significant bits and lies in [2^-10, 2688]). ``prmt`` with the codes as
-    # selectors looks up the low and high bytes of bf16(|code|) (magnitude bits only); with
-    # the raw codes and a table of 0x80 bytes it gives 0xFF for negative codes, 0x80 otherwise,
-    # whose bit 6 shifted to bit 7 is the sign. Two more ``prmt`` interleave low and high bytes.
-    # In: $8 = 4 bytes (8 codes, dim 2b in byte b's low nibble), $9 = bf16x2 scale.
-    # Out: 8 bf16, dims 0..7. 21 instructions per 8 values.
-    def _fp4_quad_ptx(mag: str, raw: str, out: int) -> str:
-        """PTX for 4 codes: selectors ``mag`` (magnitudes) / ``raw`` (with signs) -> $out..$out+3."""
-        return f"""prmt.b32 pl, 0xC0800000, 0xC0804000, {mag};
+# Inline PTX of the producer's decode (plain strings: ``tests/ops/test_decode_ptx.py`` runs them
+# through a PTX-subset interpreter on the CPU, bit for bit against ``ops/quant.py``).
+
+# e2m1 codes -> bf16 by byte-permute tables, then times the block's bf16 scale (exact: the
+# product has <= 6 significant bits and lies in [2^-10, 2688]). ``prmt`` with the codes as
+# selectors looks up the low and high bytes of bf16(|code|) (magnitude bits only); with
+# the raw codes and a table of 0x80 bytes it gives 0xFF for negative codes, 0x80 otherwise,
+# whose bit 6 shifted to bit 7 is the sign. Two more ``prmt`` interleave low and high bytes.
+# In: $8 = 4 bytes (8 codes, dim 2b in byte b's low nibble), $9 = bf16x2 scale.
+# Out: 8 bf16, dims 0..7. 21 instructions per 8 values.
+def _fp4_quad_ptx(mag: str, raw: str, out: int) -> str:
+    """PTX for 4 codes: selectors ``mag`` (magnitudes) / ``raw`` (with signs) -> $out..$out+3."""
+    return f"""prmt.b32 pl, 0xC0800000, 0xC0804000, {mag};
 prmt.b32 ph, 0x3F3F3F00, 0x40404040, {mag};
 prmt.b32 sg, 0x80808080, 0x80808080, {raw};
 shl.b32 sg, sg, 1;
@@ -94,15 +96,15 @@ mul.rn.bf16x2 r, r, $9;
 mov.b32 {{${out + 2}, ${out + 3}}}, r;
 """
 
-    _FP4_WORD_PTX = gl.constexpr("""{
+FP4_WORD_PTX = ("""{
 .reg .b32 m, mh, xh, pl, ph, sg, r;
 and.b32 m, $8, 0x77777777;
 shr.b32 mh, m, 16;
 shr.b32 xh, $8, 16;
 """ + _fp4_quad_ptx("m", "$8", 0) + _fp4_quad_ptx("mh", "xh", 4) + "}")
 
-    # e4m3 scale byte -> bf16x2 (the scale in both halves), exactly.
-    _FP4_SCALE_PTX = gl.constexpr("""{
+# e4m3 scale byte -> bf16x2 (the scale in both halves), exactly.
+FP4_SCALE_PTX = """{
 .reg .b32 t;
 .reg .b16 lo, hi;
 .reg .f32 v;
@@ -112,10 +114,10 @@ cvt.rn.f16x2.e4m3x2 t, lo;
 mov.b32 {lo, hi}, t;
 cvt.f32.f16 v, lo;
 cvt.rn.bf16x2.f32 $0, v, v;
-}""")
+}"""
 
-    # 4 e4m3 bytes times 2^k (fp32 $5) -> 4 bf16 (exact unless the product leaves bf16's range).
-    _FP8_WORD_PTX = gl.constexpr("""{
+# 4 e4m3 bytes times 2^k (fp32 $5) -> 4 bf16 (exact unless the product leaves bf16's range).
+FP8_WORD_PTX = """{
 .reg .b32 f0, f1;
 .reg .b16 q0, q1, g0, g1;
 .reg .f32 v0, v1, v2, v3;
@@ -136,7 +138,13 @@ cvt.rn.bf16.f32 $0, v0;
 cvt.rn.bf16.f32 $1, v1;
 cvt.rn.bf16.f32 $2, v2;
 cvt.rn.bf16.f32 $3, v3;
-}""")
+}"""
+
+
+if GLUON_AVAILABLE:
+    _FP4_WORD_PTX = gl.constexpr(FP4_WORD_PTX)
+    _FP4_SCALE_PTX = gl.constexpr(FP4_SCALE_PTX)
+    _FP8_WORD_PTX = gl.constexpr(FP8_WORD_PTX)
 
     @gluon.jit
     def _stamp(dbg_ptr, ev, it, NT: gl.constexpr):

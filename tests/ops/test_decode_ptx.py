@@ -1,0 +1,65 @@
+"""The sm90 decode kernel's inline PTX, run on the CPU (``ptx_subset``), bit for bit against
+the format references of ``ops/quant.py``: every e2m1 code pair with every finite e4m3 scale
+(NVFP4, compressed KV) and every e4m3 byte with every UE8M0 scale (MXFP8, window KV).
+
+The GPU tests check the kernel end to end; these pin its bit tricks (byte-permute tables,
+sign recovery, exact products) in CI, where no GPU runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_vllm.ops.quant import e2m1_decode, e4m3_decode, ue8m0_decode
+from deepinfer_vllm.ops.triton.sparse_mla_decode_gluon import FP4_SCALE_PTX, FP4_WORD_PTX, FP8_WORD_PTX
+from tests.ops.ptx_subset import run_ptx
+
+
+def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def test_fp4_scale_ptx_is_exact():
+    """e4m3 scale byte -> the scale in both bf16 halves, for every finite non-negative byte."""
+    s = torch.arange(0, 127, dtype=torch.int64)
+    (pair,) = run_ptx(FP4_SCALE_PTX, 1, [s])
+    want = _bf16_bits(e4m3_decode(s.to(torch.uint8)))
+    assert torch.equal(pair & 0xFFFF, want)
+    assert torch.equal(pair >> 16, want)
+
+
+def test_fp4_word_ptx_matches_nvfp4_reference():
+    """All 65536 patterns of a word's low 16 bits (every code quadruple, signs and -0
+    included) and a random high half, times each finite e4m3 scale: 8 bf16 per word equal
+    ``e2m1(code) * e4m3(scale)`` bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    low = torch.arange(1 << 16, dtype=torch.int64)
+    words = low | (torch.randint(0, 1 << 16, low.shape, generator=g, dtype=torch.int64) << 16)
+    codes = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], dim=-1)
+    values = e2m1_decode(codes.to(torch.uint8))
+    for s in list(range(0, 127, 9)) + [1, 2, 7, 8, 118, 126]:
+        scale = torch.full((1,), s, dtype=torch.int64)
+        (pair,) = run_ptx(FP4_SCALE_PTX, 1, [scale])
+        outs = run_ptx(FP4_WORD_PTX, 8, [words, pair])
+        got = torch.stack(outs, dim=-1)
+        want = _bf16_bits(values * e4m3_decode(scale.to(torch.uint8)))
+        assert torch.equal(got, want), f"scale byte {s}: {int((got != want).sum())} values differ"
+
+
+def test_fp8_word_ptx_matches_mxfp8_reference():
+    """Every e4m3 byte in every lane of a word, times 2^(s - 127) for every UE8M0 byte
+    (the subnormal 2^-127 and NaN 255 included): bf16 equal to the reference's rounding."""
+    b = torch.arange(256, dtype=torch.int64)
+    words = b | (b.roll(1) << 8) | (b.roll(2) << 16) | (b.roll(3) << 24)
+    lanes = torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=-1)
+    for s in range(256):
+        sb = torch.full((1,), s, dtype=torch.uint8)
+        factor = ue8m0_decode(sb)
+        (f,) = [factor.view(torch.int32).to(torch.int64) & 0xFFFFFFFF]
+        got = torch.stack(run_ptx(FP8_WORD_PTX, 4, [words, f]), dim=-1)
+        want_f = e4m3_decode(lanes.to(torch.uint8)) * factor
+        want = _bf16_bits(want_f)
+        nan = torch.isnan(want_f)
+        got_f = (got - ((got & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
+        assert torch.equal(torch.isnan(got_f), nan), f"scale byte {s}: NaN pattern differs"
+        assert torch.equal(got[~nan], want[~nan]), f"scale byte {s}: values differ"

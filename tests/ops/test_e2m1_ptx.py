@@ -1,0 +1,54 @@
+"""The shared e2m1 decode PTX of ``ops/triton/e2m1.py`` (indexer and Triton decode kernels),
+run on the CPU by ``ptx_subset``: codes times an fp16 factor equal ``e2m1(code) * f / 64``
+bit for bit, for every code pattern of the packed inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_vllm.ops.quant import e2m1_decode
+from deepinfer_vllm.ops.triton import e2m1
+from tests.ops.ptx_subset import run_ptx
+
+
+def _f16_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _factors() -> list[float]:
+    # powers of two as the indexer uses them (2^(6 - r)), and e4m3 scales times 64 (decode)
+    return [64.0, 32.0, 2.0 ** -8, 1.0, 0.5 * 64, 448.0 * 64 / 2, 0.125 * 64]
+
+
+def test_quads_ptx():
+    """Two int16 words per register (pack=2): out n = code n of both words times f."""
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.arange(1 << 16, dtype=torch.int64)
+    w1 = torch.randint(0, 1 << 16, w0.shape, generator=g, dtype=torch.int64)
+    for f in _factors():
+        fb = int(_f16_bits(torch.tensor(f)))
+        outs = run_ptx(e2m1.QUADS_PTX.value, 4, [w0 | (w1 << 16), torch.tensor(fb | (fb << 16))])
+        for n, out in enumerate(outs):
+            for half, w in ((0, w0), (1, w1)):
+                code = ((w >> (4 * n)) & 0xF).to(torch.uint8)
+                want = _f16_bits(e2m1_decode(code).double() * f / 64)
+                assert torch.equal((out >> (16 * half)) & 0xFFFF, want), (f, n, half)
+
+
+def test_pairs_ptx():
+    """Four bytes per register (pack=4): low / high nibbles of bytes (0, 1) and (2, 3), each
+    pair with its own factor."""
+    x = torch.randint(0, 1 << 32, (1 << 15,), generator=torch.Generator().manual_seed(2), dtype=torch.int64)
+    x = torch.cat([x, torch.arange(1 << 16, dtype=torch.int64)])  # every pattern of bytes 0-1
+    for f in _factors():
+        fa = int(_f16_bits(torch.tensor(f)))
+        fb = int(_f16_bits(torch.tensor(f / 2)))
+        lo01, lo23, hi01, hi23 = run_ptx(e2m1._PAIRS_PTX.value, 4,
+                                         [x, torch.tensor(fa | (fa << 16)), torch.tensor(fb | (fb << 16))])
+        cases = ((lo01, 0, f, 0), (lo23, 16, f / 2, 0), (hi01, 0, f, 4), (hi23, 16, f / 2, 4))
+        for out, shift, factor, nib in cases:
+            for half in (0, 1):
+                byte = (x >> (shift + 8 * half)) & 0xFF
+                code = ((byte >> nib) & 0xF).to(torch.uint8)
+                want = _f16_bits(e2m1_decode(code).double() * factor / 64)
+                assert torch.equal((out >> (16 * half)) & 0xFFFF, want), (f, shift, nib, half)
