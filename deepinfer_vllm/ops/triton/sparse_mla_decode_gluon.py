@@ -5,7 +5,8 @@ keys, sink in the denominator, keys = values, 64 heads per program). The Triton 
 the dequantisation and both matmuls back to back in one instruction stream; here three
 warpgroups of one CTA each do one job, handing tiles of 64 keys over shared memory:
 
-* **producer** (4 warps): gathers a tile's records (index chain one tile ahead), dequantises
+* **producer** (4 warps): gathers a tile's records (for the compressed tiles the next tile's
+  records and the index chain of the one after are in flight during the decode), dequantises
   them exactly to bf16 in registers and stores the ``[64, 512]`` tile into one of two
   shared-memory buffers, with each key's validity;
 * **softmax warpgroup** (the default partition): ``S = Q K^T`` (both operands in shared
@@ -28,9 +29,10 @@ us). Per-tile clock stamps (``gluon_decode(timing=...)``) show the producer is t
 ~3100 for the softmax warpgroup's chain (S 1170, softmax 650-1150, PV 1270). Things that did
 not work, and why:
 
-* a second producer warpgroup (16 warps): ptxas compiles every worker partition against the
-  kernel-wide register limit (65536 / 512 threads = 128), and the second PV warpgroup needs
-  ~152 (its accumulator alone is 128);
+* a second producer warpgroup (16 warps): ptxas compiles every partition, the default one
+  included, against the kernel-wide register limit (65536 / 512 threads = 128), and an
+  ``m64n256`` PV wgmma alone needs 158 (64 heads x 512 fp32 accumulators are half the
+  register file, so one producer warpgroup is all this tiling leaves room for);
 * computing S of the next tile while the softmax runs: costs the producer registers (spills),
   slower while the producer is the bottleneck;
 * 4 lanes per key in the producer (128-byte row segments): 12 % slower than 2 lanes per key.
