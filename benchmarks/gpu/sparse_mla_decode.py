@@ -10,7 +10,8 @@ intensity against the ridge point (bf16 matmul rate / copy bandwidth) measured i
 this run. Every main row is timed twice: the default kernel (the warp-specialised
 Gluon kernel on sm90) and the Triton kernel (``gluon=False``). After them, a sweep
 of the Triton kernel's launch configs at 128 tokens (ratio 2), and both kernels at
-64 tokens with and without flash-decoding splits.
+64 tokens with and without flash-decoding splits. ``--timing`` prints instead where a tile's
+cycles go inside the Gluon kernel (its producer, softmax and PV warpgroups).
 """
 
 from __future__ import annotations
@@ -167,11 +168,50 @@ def _describe(cfg: DecodeConfig) -> str:
     return "cfg(" + (", ".join(diff) or "default") + ")"
 
 
+def tile_timing(num_reqs: int = 256, ratio: int = 2, reps: int = 3) -> dict[str, float]:
+    """Median SM cycles per tile of the Gluon kernel's stages, from its ``%clock64`` stamps
+    (``gluon_decode(timing=...)``; see its docstring for the events). Tiles 2-8 of every
+    program, the steady state between the window tiles and the last tile."""
+    import deepinfer_vllm.ops.triton.sparse_mla_decode as smd
+
+    q, args = make_inputs(num_reqs, 1, ratio)
+    tiles = -(-W // 64) + -(-K // 64)
+    stamps = torch.zeros(q.shape[0], 16, tiles, dtype=torch.int64, device=q.device)
+    plain = smd.gluon_decode
+    smd.gluon_decode = lambda *a, **k: plain(*a, timing=stamps, **k)
+    try:
+        for _ in range(reps):
+            sparse_mla_decode(q, **args, config=DecodeConfig(gluon=True, num_splits=1))
+        torch.cuda.synchronize()
+    finally:
+        smd.gluon_decode = plain
+    b = stamps.double()
+
+    def med(x: torch.Tensor) -> float:
+        return x[:, 2:9].median().item()
+
+    return {
+        "tile period (softmax warpgroup)": med(b[:, 4, 1:] - b[:, 4, :-1]),
+        "S = QK^T": med(b[:, 5] - b[:, 4]),
+        "softmax": med(b[:, 6] - b[:, 5]),
+        "wait for the P buffer": med(b[:, 7] - b[:, 6]),
+        "PV, first half": med(b[:, 8] - b[:, 7]),
+        "wait for the next tile": med(b[:, 4, 1:] - b[:, 8, :-1]),
+        "PV, second half": med(b[:, 11] - b[:, 10]),
+        "producer: one tile": med(b[:, 1] - b[:, 0]),
+        "whole program": (b[:, 8, -1] - b[:, 0, 0]).median().item(),
+    }
+
+
 if __name__ == "__main__":
     from benchmarks.gpu.common import HEADER, measure_ceilings
 
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
+    if "--timing" in sys.argv:  # per-stage cycles of the Gluon kernel instead of the table
+        for name, cycles in tile_timing().items():
+            print(f"{name:32s} {cycles:9.0f} cycles")
+        raise SystemExit(0)
     c = measure_ceilings()
     print(f"ceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, "
           f"bf16 {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
