@@ -169,9 +169,10 @@ def _describe(cfg: DecodeConfig) -> str:
 
 
 def tile_timing(num_reqs: int = 256, ratio: int = 2, reps: int = 3) -> dict[str, float]:
-    """Median SM cycles per tile of the Gluon kernel's stages, from its ``%clock64`` stamps
-    (``gluon_decode(timing=...)``; see its docstring for the events). Tiles 2-8 of every
-    program, the steady state between the window tiles and the last tile."""
+    """Median SM cycles of the Gluon kernel's stages, from its ``%clock64`` stamps
+    (``gluon_decode(timing=...)``; see its docstring for the events). Per tile: tiles 3-6 of
+    every item, the steady state between the window tiles and the last tile. Per item: the
+    items a program takes after its first (where one item's end meets the next one's start)."""
     import deepinfer_vllm.ops.triton.sparse_mla_decode as smd
 
     q, args = make_inputs(num_reqs, 1, ratio)
@@ -186,20 +187,28 @@ def tile_timing(num_reqs: int = 256, ratio: int = 2, reps: int = 3) -> dict[str,
     finally:
         smd.gluon_decode = plain
     b = stamps.double()
+    j = torch.arange(3, 7)
+    programs = min(q.shape[0], torch.cuda.get_device_properties(q.device).multi_processor_count)
+    later = b[programs:]
 
     def med(x: torch.Tensor) -> float:
-        return x[:, 2:9].median().item()
+        return x.median().item() if x.numel() else float("nan")
 
     return {
-        "tile period (softmax warpgroup)": med(b[:, 4, 1:] - b[:, 4, :-1]),
-        "S = QK^T": med(b[:, 5] - b[:, 4]),
-        "softmax": med(b[:, 6] - b[:, 5]),
-        "wait for the P buffer": med(b[:, 7] - b[:, 6]),
-        "PV, first half": med(b[:, 8] - b[:, 7]),
-        "wait for the next tile": med(b[:, 4, 1:] - b[:, 8, :-1]),
-        "PV, second half": med(b[:, 11] - b[:, 10]),
-        "producer: one tile": med(b[:, 1] - b[:, 0]),
-        "whole program": (b[:, 8, -1] - b[:, 0, 0]).median().item(),
+        "tile period (softmax warpgroup)": med(b[:, 4, j + 1] - b[:, 4, j]),
+        "S = QK^T": med(b[:, 5, j] - b[:, 4, j]),
+        "softmax": med(b[:, 6, j] - b[:, 5, j]),
+        "wait for the P buffer": med(b[:, 7, j] - b[:, 6, j]),
+        "PV, first half": med(b[:, 8, j] - b[:, 7, j]),
+        "wait for the next tile": med(b[:, 4, j + 1] - b[:, 8, j]),
+        "PV, second half": med(b[:, 11, j] - b[:, 10, j]),
+        "producer: wait for a free buffer": med(b[:, 2, j] - b[:, 0, j]),
+        "producer: decode and store a tile": med(b[:, 1, j] - b[:, 2, j]),
+        "item (after a program's first)": med(later[:, 13, 0] - later[:, 12, 0]),
+        "item start -> its Q has landed": med(later[:, 9, 0] - later[:, 12, 0]),
+        "Q landed -> first tile ready": med(later[:, 4, 0] - later[:, 9, 0]),
+        "epilogue (last PV -> item end)": med(later[:, 13, 0] - later[:, 8, -1]),
+        "SM clock, GHz": med((later[:, 13, 0] - later[:, 12, 0]) / (later[:, 15, 0] - later[:, 14, 0])),
     }
 
 
@@ -209,8 +218,8 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     if "--timing" in sys.argv:  # per-stage cycles of the Gluon kernel instead of the table
-        for name, cycles in tile_timing().items():
-            print(f"{name:32s} {cycles:9.0f} cycles")
+        for name, value in tile_timing().items():
+            print(f"{name:36s} {value:9.2f}" if "GHz" in name else f"{name:36s} {value:9.0f} cycles")
         raise SystemExit(0)
     c = measure_ceilings()
     print(f"ceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, "

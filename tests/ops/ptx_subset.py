@@ -4,8 +4,11 @@ It runs the exact instruction strings of ``ops/triton`` on the CPU, vectorised o
 int64 tensors holding bit patterns, so CI checks the kernels' bit tricks against the format
 references without a GPU. Only the instructions those strings use are implemented, with the
 PTX ISA's semantics: 32-bit logic and shifts, ``prmt`` (default mode, sign-replicate bit),
-``mov`` packing / unpacking, ``cvt`` between e4m3x2 / f16 / f32 / bf16, and ``mul.rn`` on f32,
-f16x2 and bf16x2. Anything else raises, so a new instruction cannot pass untested.
+``mov`` packing / unpacking, ``cvt`` between e4m3x2 / f16 / f32 / bf16, ``mul.rn`` on f32,
+f16x2 and bf16x2, and for warp-level strings (the last dimension of the inputs is the 32
+lanes of a warp) ``%laneid``, ``setp.ne`` / ``selp``, ``shfl.sync.bfly`` and predicated
+``st.global.v4.b32`` (recorded, not performed). Anything else raises, so a new instruction
+cannot pass untested.
 """
 
 from __future__ import annotations
@@ -59,17 +62,27 @@ def _mul_x2(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return out[0] | out[1]
 
 
-def run_ptx(ptx: str, outputs: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def run_ptx(ptx: str, outputs: int, inputs: list[torch.Tensor],
+            stores: list | None = None) -> list[torch.Tensor]:
     """Run ``ptx`` with ``$0 .. $(outputs - 1)`` as outputs and the following ``$n`` bound to
-    ``inputs`` (int64 bit patterns, broadcastable). Returns the outputs' bit patterns."""
+    ``inputs`` (int64 bit patterns, broadcastable). Returns the outputs' bit patterns.
+    Global stores are appended to ``stores`` as ``(address, values [..., 4], predicate)``;
+    warp-level instructions treat the last dimension as the lanes."""
     shape = torch.broadcast_shapes(*(x.shape for x in inputs))
     regs: dict[str, torch.Tensor] = {f"${outputs + i}": x.expand(shape).to(torch.int64)
                                      for i, x in enumerate(inputs)}
+
+    def lanes() -> torch.Tensor:
+        if shape[-1] != 32:
+            raise ValueError(f"warp-level PTX needs 32 lanes in the last dimension, got {shape}")
+        return torch.arange(32, dtype=torch.int64).expand(shape)
 
     def val(tok: str) -> torch.Tensor:
         tok = tok.strip()
         if tok in regs:
             return regs[tok]
+        if tok == "%laneid":
+            return lanes()
         if re.fullmatch(r"0x[0-9a-fA-F]+|\d+", tok):
             return torch.full(shape, int(tok, 0), dtype=torch.int64)
         raise KeyError(f"unknown operand {tok!r}")
@@ -79,7 +92,22 @@ def run_ptx(ptx: str, outputs: int, inputs: list[torch.Tensor]) -> list[torch.Te
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
             continue
+        guard = None
+        if stmt.startswith("@"):
+            g, _, stmt = stmt.partition(" ")
+            guard = g[1:]
+            stmt = stmt.strip()
         op, _, rest = stmt.partition(" ")
+        if guard is not None and op != "st.global.v4.b32":
+            raise NotImplementedError(f"predicated {op!r} is not in the interpreter's subset")
+        if op == "st.global.v4.b32":
+            addr, vals = [o.strip() for o in re.findall(r"\[[^]]*\]|\{[^}]*\}", rest)]
+            data = torch.stack([val(t) for t in vals.strip("{}").split(",")], dim=-1)
+            pred = regs[guard] != 0 if guard is not None else torch.ones(shape, dtype=torch.bool)
+            if stores is None:
+                raise ValueError("the PTX stores to global memory: pass a ``stores`` list")
+            stores.append((val(addr.strip("[]")), data, pred))
+            continue
         # operands: split on commas outside braces
         ops = [o.strip() for o in re.findall(r"\{[^}]*\}|[^,]+", rest)]
         dst = ops[0]
@@ -94,8 +122,17 @@ def run_ptx(ptx: str, outputs: int, inputs: list[torch.Tensor]) -> list[torch.Te
             regs[dst] = (lo & 0xFFFF) | ((hi & 0xFFFF) << 16)
             continue
         x = [val(a) for a in args]
-        if op == "mov.b32":
+        if op in ("mov.b32", "mov.u32"):
             r = x[0] & _M32
+        elif op in ("setp.ne.u32", "setp.ne.s32"):
+            r = ((x[0] & _M32) != (x[1] & _M32)).to(torch.int64)
+        elif op == "selp.b32":
+            r = torch.where(x[2] != 0, x[0], x[1]) & _M32
+        elif op == "shfl.sync.bfly.b32":  # d, a, lane mask, clamp 0x1f, all 32 lanes taking part
+            if int(x[2].flatten()[0]) != 0x1F or int(x[3].flatten()[0]) != _M32:
+                raise NotImplementedError("shfl.sync.bfly: only the full-warp form is in the subset")
+            src = lanes() ^ x[1]
+            r = torch.gather(x[0], -1, src)
         elif op == "and.b32":
             r = x[0] & x[1] & _M32
         elif op == "or.b32":

@@ -1,6 +1,7 @@
 """The sm90 decode kernel's inline PTX, run on the CPU (``ptx_subset``), bit for bit against
 the format references of ``ops/quant.py``: every e2m1 code pair with every finite e4m3 scale
-(NVFP4, compressed KV) and every e4m3 byte with every UE8M0 scale (MXFP8, window KV).
+(NVFP4, compressed KV) and every e4m3 byte with every UE8M0 scale (MXFP8, window KV); and
+the epilogue's quad exchange on a simulated warp.
 
 The GPU tests check the kernel end to end; these pin its bit tricks (byte-permute tables,
 sign recovery, exact products) in CI, where no GPU runs.
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer_vllm.ops.quant import e2m1_decode, e4m3_decode, ue8m0_decode
-from deepinfer_vllm.ops.triton.sparse_mla_decode_gluon import FP4_SCALE_PTX, FP4_WORD_PTX, FP8_WORD_PTX
+from deepinfer_vllm.ops.triton.sparse_mla_decode_gluon import (FP4_SCALE_PTX, FP4_WORD_PTX, FP8_WORD_PTX,
+                                                               STORE16_PTX)
 from tests.ops.ptx_subset import run_ptx
 
 
@@ -63,3 +65,29 @@ def test_fp8_word_ptx_matches_mxfp8_reference():
         got_f = (got - ((got & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
         assert torch.equal(torch.isnan(got_f), nan), f"scale byte {s}: NaN pattern differs"
         assert torch.equal(got[~nan], want[~nan]), f"scale byte {s}: values differ"
+
+
+def test_store16_ptx_gives_each_lane_8_adjacent_columns():
+    """A warp holding a wgmma accumulator fragment: lane l has row l // 4 and, for column
+    groups 4 k + i (i = 0..3), the word of columns 8 (4 k + i) + 2 (l % 4), + 1. After the
+    exchange each lane stores, at the address it passed, columns 8 (4 k + l % 4) .. + 7 of
+    its row in order, and nothing for rows marked invalid."""
+    lane = torch.arange(32, dtype=torch.int64)
+    row, q = lane // 4, lane % 4
+    k = torch.arange(8, dtype=torch.int64).unsqueeze(-1)  # 8 blocks of 4 column groups x 32 lanes
+
+    def word(col: torch.Tensor) -> torch.Tensor:  # a word's identity: its row and first column
+        return (row << 16) | col
+
+    words = [word(8 * (4 * k + i) + 2 * q) for i in range(4)]
+    col0 = 8 * (4 * k + q)
+    addr = (row << 20) | col0
+    valid = (row < 6).to(torch.int64).expand(8, 32)
+    stores: list = []
+    (done,) = run_ptx(STORE16_PTX, 1, words + [addr, valid], stores)
+    assert torch.equal(done, torch.zeros(8, 32, dtype=torch.int64))
+    ((where, data, pred),) = stores
+    assert torch.equal(where, addr.expand(8, 32))
+    assert torch.equal(pred, valid != 0)
+    want = torch.stack([word(col0 + 2 * j) for j in range(4)], dim=-1).expand(8, 32, 4)
+    assert torch.equal(data[pred], want[pred])

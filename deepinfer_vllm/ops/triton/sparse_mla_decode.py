@@ -20,7 +20,7 @@ Small batches split the key tiles of a token over ``num_splits`` programs
 The reference is ``deepinfer_vllm.ops.paged_attention.paged_sparse_attention``.
 
 On sm90 with bf16 queries and D = 512 the wrapper runs the warp-specialised Gluon kernel of
-``sparse_mla_decode_gluon`` instead (same tiles, same operator; 1.4-1.5x faster at 64-256
+``sparse_mla_decode_gluon`` instead (same tiles, same operator; 1.5-1.6x faster at 128-256
 tokens on the H200), unless ``DecodeConfig(gluon=False)``. This Triton kernel covers fp32,
 other head dims, other GPUs and Triton's interpreter.
 

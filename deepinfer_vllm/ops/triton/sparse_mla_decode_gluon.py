@@ -1,46 +1,56 @@
-"""Sparse MLA decode on Hopper in Gluon, warp-specialised (sm90 only).
+"""Sparse MLA decode on Hopper in Gluon, warp-specialised and persistent (sm90 only).
 
 Same semantics as ``sparse_mla_decode.sparse_mla_decode`` (window MXFP8 keys, top-k NVFP4
-keys, sink in the denominator, keys = values, 64 heads per program). The Triton kernel runs
+keys, sink in the denominator, keys = values, 64 heads per work item). The Triton kernel runs
 the dequantisation and both matmuls back to back in one instruction stream; here three
 warpgroups of one CTA each do one job, handing tiles of 64 keys over shared memory:
 
-* **producer** (4 warps): gathers a tile's records (for the compressed tiles the next tile's
-  records and the index chain of the one after are in flight during the decode), dequantises
+* **producer** (4 warps): gathers a tile's records (for the compressed tiles the three
+  dependent loads, entries -> block ids -> records, are kept one tile apart), dequantises
   them exactly to bf16 in registers and stores the ``[64, 512]`` tile into one of two
-  shared-memory buffers, with each key's validity;
+  shared-memory buffers, with each key's validity; it also copies each item's Q in
+  (cp.async) once the previous item's last tile is released;
 * **softmax warpgroup** (the default partition): ``S = Q K^T`` (both operands in shared
   memory), the online softmax, ``P`` (bf16) and the per-row rescale factor to shared memory
   for the other warpgroup, then ``O[:, :256] += P K[:, :256]`` with ``P`` in registers;
 * **second PV warpgroup**: ``O[:, 256:] = alpha O[:, 256:] + P K[:, 256:]`` from shared memory.
 
-Each ``[64, 256]`` fp32 half of the accumulator takes 128 registers per thread of its
-warpgroup, which is why the output is split over two warpgroups (FlashMLA's decode kernel
-splits the same way). Numbers: e2m1 times its e4m3 scale and e4m3 times 2^k are exact in
-bf16, so the tiles equal the Triton kernel's; logits, softmax and accumulation are fp32.
+CTAs are persistent (one per SM): work items are (token, split, head block) and a CTA takes
+every ``programs``-th one, so the producer runs into the next item while the consumers
+finish one. Each ``[64, 256]`` fp32 half of the accumulator takes 128 registers per thread of
+its warpgroup, which is why the output is split over two warpgroups (FlashMLA's decode
+kernel splits the same way). Numbers: e2m1 times its e4m3 scale and e4m3 times 2^k are exact
+in bf16, so the tiles equal the Triton kernel's; logits, softmax and accumulation are fp32.
+Outputs leave through 16-byte stores after a quad shuffle (``STORE16_PTX``).
 
-Small batches split a token's tiles over ``num_splits`` programs (flash-decoding) and use the
+Small batches split a token's tiles over ``num_splits`` items (flash-decoding) and use the
 Triton kernel's combine step.
 
-Measured on the H200 (Triton 3.6; ``benchmarks/README.md``, run 5): 64 heads, 128 window + 512
-top-k keys, T=256: 84 us, 255 TFLOP/s, 32 % of the bf16 matmul rate (the Triton kernel: 124
-us). Per-tile clock stamps (``gluon_decode(timing=...)``) show the producer is the bottleneck:
-~4100 cycles to gather and decode a tile (~3500 with no memory traffic at all) against
-~3100 for the softmax warpgroup's chain (S 1170, softmax 650-1150, PV 1270). Things that did
-not work, and why:
+Measured on the H200 (Triton 3.6; ``benchmarks/README.md``, run 6): 64 heads, 128 window + 512
+top-k keys, T=256: 76.5 us, 281 TFLOP/s, 36 % of the measured bf16 matmul rate (the Triton
+kernel: 123 us). Per-tile clock stamps (``gluon_decode(timing=...)``): a tile takes ~4350
+cycles; the producer needs ~3300 of them to decode and store it plus ~800 to get its loads
+out, and the softmax warpgroup waits ~1150 per tile for it (its own chain: S 1200, softmax
+950, PV 1000). Per item ~15000 of ~60000 cycles are the hand-over between items, mostly
+memory latency: the next Q (64 KB by cp.async: ~12000 cycles from issue to landing) and the
+first window tile's block-id and record loads. Things that did not work, and why:
 
 * a second producer warpgroup (16 warps): ptxas compiles every partition, the default one
   included, against the kernel-wide register limit (65536 / 512 threads = 128), and an
-  ``m64n256`` PV wgmma alone needs 158 (64 heads x 512 fp32 accumulators are half the
-  register file, so one producer warpgroup is all this tiling leaves room for);
-* computing S of the next tile while the softmax runs: costs the producer registers (spills),
-  slower while the producer is the bottleneck;
-* 4 lanes per key in the producer (128-byte row segments): 12 % slower than 2 lanes per key.
+  ``m64n256`` PV wgmma alone needs 158;
+* computing S of the next tile while the softmax runs needs a third tile buffer (Q + three
+  64 KB tiles exceed the 227 KB of shared memory); with two buffers a tile's buffer is busy
+  from its decode to its last PV, which bounds the period at half that span;
+* 4 lanes per key in the producer (128-byte row segments): 12 % slower than 2 lanes per key;
+* fetching the next item's metadata, block ids and entries during the current item: the
+  steady-state tiles got ~20 % slower (loads held across the tile loop), not kept;
+* Q copied by the softmax warpgroup itself (cp.async): its wgmma descriptors left the
+  uniform registers (recomputed per k-step, 17 spills per tile); the producer copies it.
 
 Triton 3.6 puts a ``convert_layout``'s scratch buffer where the warp-specialised partitions
 read their captured arguments; a conversion in one partition corrupted another's loop bound
 (nondeterministic results whenever a tile buffer was reused). No partition converts layouts
-through shared memory now (the softmax's conversions are checked ``assert_trivial``).
+through shared memory (the softmax's conversions are checked ``assert_trivial``).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import torch
 try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 except Exception:  # pragma: no cover - depends on the installed Triton
@@ -143,20 +154,59 @@ cvt.rn.bf16.f32 $3, v3;
 }"""
 
 
+# Output rows leave as 16-byte stores: in a wgmma accumulator a thread holds 2 adjacent
+# columns of every 8, so the 4 threads of a quad swap words (a 4 x 4 transpose over two
+# butterfly shuffles) until each holds 8 adjacent columns. Direct 4-byte stores cost 4x
+# the memory requests and held the epilogue up for ~5500 cycles.
+# In: $1..$4 = this thread's words for column groups 4 k + 0..3 (2 columns each), $5 =
+# the address of its 16 bytes after the exchange, $6 = store or not.
+STORE16_PTX = """{
+.reg .b32 lq, s0, s1, r0, r1, c0, c1, c2, c3;
+.reg .pred b0, b1, pm;
+mov.u32 lq, %laneid;
+and.b32 s0, lq, 1;
+setp.ne.u32 b0, s0, 0;
+and.b32 s0, lq, 2;
+setp.ne.u32 b1, s0, 0;
+selp.b32 s0, $1, $2, b0;
+selp.b32 s1, $3, $4, b0;
+shfl.sync.bfly.b32 r0, s0, 1, 0x1f, 0xffffffff;
+shfl.sync.bfly.b32 r1, s1, 1, 0x1f, 0xffffffff;
+selp.b32 c0, r0, $1, b0;
+selp.b32 c1, $2, r0, b0;
+selp.b32 c2, r1, $3, b0;
+selp.b32 c3, $4, r1, b0;
+selp.b32 s0, c0, c2, b1;
+selp.b32 s1, c1, c3, b1;
+shfl.sync.bfly.b32 r0, s0, 2, 0x1f, 0xffffffff;
+shfl.sync.bfly.b32 r1, s1, 2, 0x1f, 0xffffffff;
+selp.b32 s0, r0, c0, b1;
+selp.b32 s1, r1, c1, b1;
+selp.b32 c0, c2, r0, b1;
+selp.b32 c1, c3, r1, b1;
+setp.ne.s32 pm, $6, 0;
+@pm st.global.v4.b32 [$5], {s0, s1, c0, c1};
+mov.b32 $0, 0;
+}"""
+
 if GLUON_AVAILABLE:
     _FP4_WORD_PTX = gl.constexpr(FP4_WORD_PTX)
     _FP4_SCALE_PTX = gl.constexpr(FP4_SCALE_PTX)
     _FP8_WORD_PTX = gl.constexpr(FP8_WORD_PTX)
+    _STORE16_PTX = gl.constexpr(STORE16_PTX)
 
     @gluon.jit
-    def _stamp(dbg_ptr, ev, it, NT: gl.constexpr):
-        """Debug timing: the SM clock at event ``ev`` of tile ``it`` (one row of 16 events per program)."""
+    def _stamp(dbg_ptr, ev, it, item, NT: gl.constexpr, GLOBAL: gl.constexpr = False):
+        """Debug timing: the SM clock (``GLOBAL``: the global nanosecond timer) at event ``ev`` of
+        tile ``it`` of work item ``item`` (one row of 16 events per item)."""
         if NT > 0:
-            c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [it], dtype=gl.int64,
-                                          is_pure=False, pack=1)
-            pid = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
-            pid = pid * gl.num_programs(2) + gl.program_id(2)
-            gl.store(dbg_ptr + (pid.to(gl.int64) * 16 + ev) * NT + it, c)
+            if GLOBAL:
+                c = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [it], dtype=gl.int64,
+                                              is_pure=False, pack=1)
+            else:
+                c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [it], dtype=gl.int64,
+                                              is_pure=False, pack=1)
+            gl.store(dbg_ptr + (item.to(gl.int64) * 16 + ev) * NT + it, c)
 
     @gluon.jit
     def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
@@ -239,232 +289,63 @@ if GLUON_AVAILABLE:
         dst.store(gl.reshape(x, [64, 128]))  # dim 64 h + 32 b + 4 w + 2 f + e
 
     @gluon.jit
-    def _window_keys(i, pos, lo, req, n, w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
-                     W: gl.constexpr, W_BS: gl.constexpr, D: gl.constexpr):
-        """Value and scale bases, validity of window tile ``i``'s keys ``n`` (positions
-        ``pos - W + 1 + 64 i + n``, visible from ``lo``). Invalid keys are never read."""
+    def _window_valid(i, pos, lo, n, W: gl.constexpr):
+        """Positions and validity of window tile ``i``'s keys ``n``: positions ``pos - W + 1 +
+        64 i + n`` that are visible (from ``lo``); invalid keys are never read."""
         j = i * 64 + n
         kp = pos - (W - 1) + j
         ok = (j < W) & (kp >= lo)
-        kp = gl.where(ok, kp, 0)
-        blk = gl.load(w_bt_ptr + req * w_bt_stride + kp // W_BS, mask=ok, other=0)
+        return gl.where(ok, kp, 0), ok
+
+    @gluon.jit
+    def _window_blocks(i, pos, lo, req, n, w_bt_ptr, w_bt_stride, W: gl.constexpr, W_BS: gl.constexpr):
+        """Block ids of the pages holding window tile ``i``'s keys."""
+        kp, ok = _window_valid(i, pos, lo, n, W)
+        return gl.load(w_bt_ptr + req * w_bt_stride + kp // W_BS, mask=ok, other=0)
+
+    @gluon.jit
+    def _window_records(i, pos, lo, blk, n, w_cache_ptr, w_block_stride, W: gl.constexpr, W_BS: gl.constexpr,
+                        D: gl.constexpr):
+        """Value and scale bases of window tile ``i``'s keys in blocks ``blk``, and their validity."""
+        kp, ok = _window_valid(i, pos, lo, n, W)
         base = w_cache_ptr + blk.to(gl.int64) * w_block_stride
         slot = kp % W_BS
         return base + slot * D, base + W_BS * D + slot * (D // 32), ok
 
+    # A compressed tile's keys take three dependent loads: its top-k entries, then their
+    # pages' block ids, then the records. The producer keeps each stage one tile apart and
+    # carries the raw loaded values across iterations, so no load is waited for in the
+    # iteration that issued it.
     @gluon.jit
-    def _comp_keys(i, live, t, req, n, topk_ptr, topk_stride, c_cache_ptr, c_block_stride, c_bt_ptr,
-                   c_bt_stride, K: gl.constexpr, C_BS: gl.constexpr, RATIO: gl.constexpr, NW: gl.constexpr,
-                   D: gl.constexpr):
-        """The same for compressed tile ``i``: entries ``topk[t, 64 (i - NW) + n]`` (-1 = none);
-        nothing is read unless ``live``."""
+    def _comp_entries(i, live, t, n, topk_ptr, topk_stride, K: gl.constexpr, NW: gl.constexpr):
+        """Entries ``topk[t, 64 (i - NW) + n]`` of compressed tile ``i`` (-1: none; none read
+        unless ``live``)."""
         j = (i - NW) * 64 + n
-        e = gl.load(topk_ptr + t.to(gl.int64) * topk_stride + j, mask=(j < K) & live, other=-1).to(gl.int32)
+        return gl.load(topk_ptr + t.to(gl.int64) * topk_stride + j, mask=(j < K) & live, other=-1).to(gl.int32)
+
+    @gluon.jit
+    def _comp_blocks(e, req, c_bt_ptr, c_bt_stride, C_BS: gl.constexpr, RATIO: gl.constexpr):
+        """Block ids of the pages holding entries ``e``."""
         ok = e >= 0
-        first = gl.where(ok, e, 0) * RATIO
-        blk = gl.load(c_bt_ptr + req * c_bt_stride + first // C_BS, mask=ok, other=0)
+        return gl.load(c_bt_ptr + req * c_bt_stride + (gl.where(ok, e, 0) * RATIO) // C_BS, mask=ok, other=0)
+
+    @gluon.jit
+    def _comp_records(e, blk, c_cache_ptr, c_block_stride, C_BS: gl.constexpr, RATIO: gl.constexpr,
+                      D: gl.constexpr):
+        """Value and scale bases of entries ``e`` in blocks ``blk``, and their validity."""
+        ok = e >= 0
         base = c_cache_ptr + blk.to(gl.int64) * c_block_stride
-        slot = (first % C_BS) // RATIO
+        slot = ((gl.where(ok, e, 0) * RATIO) % C_BS) // RATIO
         return base + slot * (D // 2), base + (C_BS // RATIO) * (D // 2) + slot * (D // 16), ok
 
     @gluon.jit
-    def _publish(ok_s, k_ready, b, ok, it, dbg_ptr, DBG_NT: gl.constexpr):
-        """Tile ``it`` is in buffer ``b``: its keys' validity, then the hand-over (the fence
-        orders the generic-proxy stores before the consumers' wgmma reads)."""
-        ok_s.index(b).store(ok.to(gl.int32))
-        _stamp(dbg_ptr, 1, it, DBG_NT)
-        fence_async_shared()
-        mbarrier.arrive(k_ready.index(b), count=1)
-
-    @gluon.jit
-    def _producer(k_s, ok_s, k_ready, k_free, t, pos, lo, req, i0, n_tiles,
-                  topk_ptr, topk_stride,
-                  w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
-                  c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
-                  W: gl.constexpr, W_BS: gl.constexpr, K: gl.constexpr, C_BS: gl.constexpr,
-                  RATIO: gl.constexpr, NW: gl.constexpr, D: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
-        """Worker: fills the two tile buffers in turn. Compressed tiles are software-pipelined:
-        tile j + 1's record bytes and tile j + 2's entries and block ids are in flight while
-        tile j is decoded (the window tiles, at most two, are not)."""
-        # (no convert_layout in this partition: Triton 3.6 puts its scratch buffer where the
-        # partitions' captured arguments live, and another partition may not have read them yet)
-        n4 = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _W4))))
-        n8 = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _W8))))
-        n_w = gl.minimum(gl.maximum(NW - i0, 0), n_tiles)
-        for it in range(n_w):
-            _stamp(dbg_ptr, 0, it, DBG_NT)
-            b = it % 2
-            vals, scales, ok = _window_keys(i0 + it, pos, lo, req, n8, w_cache_ptr, w_block_stride, w_bt_ptr,
-                                            w_bt_stride, W, W_BS, D)
-            dst = k_s.index(b)
-            # all four chunks' loads go out before the wait for the buffer
-            w0, s0 = _fp8_chunk_load(vals, scales, ok, 0)
-            w1, s1 = _fp8_chunk_load(vals, scales, ok, 1)
-            w2, s2 = _fp8_chunk_load(vals, scales, ok, 2)
-            w3, s3 = _fp8_chunk_load(vals, scales, ok, 3)
-            mbarrier.wait(k_free.index(b), ((it // 2) & 1) ^ 1)
-            _fp8_chunk_store(w0, s0, dst.slice(0, 128, dim=1))
-            _fp8_chunk_store(w1, s1, dst.slice(128, 128, dim=1))
-            _fp8_chunk_store(w2, s2, dst.slice(256, 128, dim=1))
-            _fp8_chunk_store(w3, s3, dst.slice(384, 128, dim=1))
-            _publish(ok_s, k_ready, b, ok, it, dbg_ptr, DBG_NT)
-
-        n_c = n_tiles - n_w
-        c0 = i0 + n_w
-        v, sc, ok = _comp_keys(c0, n_c > 0, t, req, n4, topk_ptr, topk_stride, c_cache_ptr, c_block_stride,
-                               c_bt_ptr, c_bt_stride, K, C_BS, RATIO, NW, D)
-        w0, w1, w2, w3, s0, s1, s2, s3 = _fp4_tile_load(v, sc, ok)
-        v, sc, ok_n = _comp_keys(c0 + 1, n_c > 1, t, req, n4, topk_ptr, topk_stride, c_cache_ptr,
-                                 c_block_stride, c_bt_ptr, c_bt_stride, K, C_BS, RATIO, NW, D)
-        for jt in range(n_c):
-            it = n_w + jt
-            _stamp(dbg_ptr, 0, it, DBG_NT)
-            b = it % 2
-            x0, x1, x2, x3, y0, y1, y2, y3 = _fp4_tile_load(v, sc, ok_n)
-            v, sc, ok_nn = _comp_keys(c0 + jt + 2, jt + 2 < n_c, t, req, n4, topk_ptr, topk_stride,
-                                      c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride, K, C_BS, RATIO,
-                                      NW, D)
-            dst = k_s.index(b)
-            mbarrier.wait(k_free.index(b), ((it // 2) & 1) ^ 1)
-            _fp4_chunk_store(w0, s0, dst.slice(0, 128, dim=1))
-            _fp4_chunk_store(w1, s1, dst.slice(128, 128, dim=1))
-            _fp4_chunk_store(w2, s2, dst.slice(256, 128, dim=1))
-            _fp4_chunk_store(w3, s3, dst.slice(384, 128, dim=1))
-            _publish(ok_s, k_ready, b, ok, it, dbg_ptr, DBG_NT)
-            w0, w1, w2, w3, s0, s1, s2, s3 = x0, x1, x2, x3, y0, y1, y2, y3
-            ok = ok_n
-            ok_n = ok_nn
-
-    # ------------------------------------------------------------------ consumers
-    # wgmma accumulator layouts: S [64 heads, 64 keys] and one output half [64, 256]
-    _MS = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 64, 16]))
-    _MO = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 256, 16]))
-
-    @gluon.jit
-    def _softmax_step(s, it, m_i, l_i, acc, k_s, ok_s, p_s, a_s, k_free, p_ready, p_free, qk_scale,
-                      dbg_ptr, DBG_NT: gl.constexpr):
-        """The softmax warpgroup's work on tile ``it`` once its logits ``s`` are in registers:
-        online softmax, P and alpha to shared memory, ``O[:, :256] += P K[:, :256]``."""
-        MS: gl.constexpr = _MS
-        MO: gl.constexpr = _MO
-        PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
-        RO: gl.constexpr = gl.SliceLayout(1, MO)
-        b = it % 2
-        okv = ok_s.index(b).load(gl.SliceLayout(0, MS))
-        s = gl.where((okv != 0)[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        pb = p.to(gl.bfloat16)
-        _stamp(dbg_ptr, 6, it, DBG_NT)
-        mbarrier.wait(p_free, (it & 1) ^ 1)  # the other warpgroup is done with the last P
-        _stamp(dbg_ptr, 7, it, DBG_NT)
-        p_s.store(pb)
-        a_s.store(alpha)
-        fence_async_shared()
-        mbarrier.arrive(p_ready, count=1)
-        acc = acc * gl.convert_layout(alpha, RO, assert_trivial=True)[:, None]
-        tok = warpgroup_mma(gl.convert_layout(pb, PA, assert_trivial=True), k_s.index(b).slice(0, 256, dim=1),
-                            acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[tok])
-        _stamp(dbg_ptr, 8, it, DBG_NT)
-        mbarrier.arrive(k_free.index(b), count=1)
-        return m_new, l_i, acc
-
-    @gluon.jit
-    def _softmax_pv0(q_s, k_s, ok_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin,
-                     n_tiles, m0, l0, qk_scale, t, h0, H, T, split,
-                     out_ptr, stride_ot, stride_oh, part_acc_ptr, part_m_ptr, part_l_ptr,
-                     H_PAD: gl.constexpr, PARTIAL: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
-        """Default partition: S, the online softmax, P and alpha for the other warpgroup, and
-        the first half of the output."""
-        MS: gl.constexpr = _MS
-        MO: gl.constexpr = _MO
-        RS: gl.constexpr = gl.SliceLayout(1, MS)
-        RO: gl.constexpr = gl.SliceLayout(1, MO)
-        m_i = m0
-        l_i = l0
-        acc = gl.zeros([64, 256], gl.float32, MO)
-        s0 = gl.zeros([64, 64], gl.float32, MS)
-        for it in range(n_tiles):
-            mbarrier.wait(k_ready.index(it % 2), (it // 2) & 1)
-            _stamp(dbg_ptr, 4, it, DBG_NT)
-            s = warpgroup_mma(q_s, k_s.index(it % 2).permute((1, 0)), s0, use_acc=False)
-            _stamp(dbg_ptr, 5, it, DBG_NT)
-            m_i, l_i, acc = _softmax_step(s, it, m_i, l_i, acc, k_s, ok_s, p_s, a_s, k_free, p_ready, p_free,
-                                          qk_scale, dbg_ptr, DBG_NT)
-        rows = h0 + gl.arange(0, 64, layout=RO)
-        cols = gl.arange(0, 256, layout=gl.SliceLayout(0, MO))
-        if PARTIAL:
-            prow = (split.to(gl.int64) * T + t) * H_PAD + h0 + gl.arange(0, 64, layout=RS)
-            gl.store(part_m_ptr + prow, m_i)
-            gl.store(part_l_ptr + prow, l_i)
-            arow = (split.to(gl.int64) * T + t) * H_PAD + rows
-            gl.store(part_acc_ptr + arow[:, None] * 512 + cols[None, :], acc)
-        else:
-            l_s.store(l_i)
-            mbarrier.arrive(fin, count=1)
-            l_safe = gl.convert_layout(gl.where(l_i > 0, l_i, 1.0), RO, assert_trivial=True)
-            o = (acc / l_safe[:, None]).to(gl.bfloat16)
-            ptr = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh + cols[None, :]
-            gl.store(ptr, o, mask=(rows < H)[:, None])
-
-    @gluon.jit
-    def _pv1(k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin,
-             n_tiles, t, h0, H, T, split,
-             out_ptr, stride_ot, stride_oh, part_acc_ptr,
-             H_PAD: gl.constexpr, PARTIAL: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
-        """Worker: the second half of the output, from the P and alpha in shared memory."""
-        MO: gl.constexpr = _MO
-        RO: gl.constexpr = gl.SliceLayout(1, MO)
-        acc = gl.zeros([64, 256], gl.float32, MO)
-        for it in range(n_tiles):
-            b = it % 2
-            mbarrier.wait(k_ready.index(b), (it // 2) & 1)
-            mbarrier.wait(p_ready, it & 1)
-            _stamp(dbg_ptr, 10, it, DBG_NT)
-            alpha = a_s.load(RO)
-            acc = acc * alpha[:, None]
-            acc = warpgroup_mma(p_s, k_s.index(b).slice(256, 256, dim=1), acc)
-            _stamp(dbg_ptr, 11, it, DBG_NT)
-            mbarrier.arrive(p_free, count=1)
-            mbarrier.arrive(k_free.index(b), count=1)
-        rows = h0 + gl.arange(0, 64, layout=RO)
-        cols = 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, MO))
-        if PARTIAL:
-            arow = (split.to(gl.int64) * T + t) * H_PAD + rows
-            gl.store(part_acc_ptr + arow[:, None] * 512 + cols[None, :], acc)
-        else:
-            mbarrier.wait(fin, 0)
-            l_i = l_s.load(RO)
-            o = (acc / gl.where(l_i > 0, l_i, 1.0)[:, None]).to(gl.bfloat16)
-            ptr = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh + cols[None, :]
-            gl.store(ptr, o, mask=(rows < H)[:, None])
-
-    # ------------------------------------------------------------------ kernel
-    @gluon.jit
-    def _decode_kernel(
-        q_ptr, stride_qt, stride_qh,
-        out_ptr, stride_ot, stride_oh,
-        part_acc_ptr, part_m_ptr, part_l_ptr,
-        sink_ptr, pos_ptr, lo_ptr, req_ptr,
-        w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
-        c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
-        topk_ptr, topk_stride,
-        T, H, qk_scale, num_splits,
-        D: gl.constexpr, W: gl.constexpr, W_BS: gl.constexpr,
-        K: gl.constexpr, C_BS: gl.constexpr, RATIO: gl.constexpr,
-        NW: gl.constexpr, NT: gl.constexpr, HAS_SINK: gl.constexpr,
-        H_PAD: gl.constexpr, PARTIAL: gl.constexpr,
-        PV1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        dbg_ptr, DBG_NT: gl.constexpr,
-    ):
-        t = gl.program_id(0)
-        split = gl.program_id(1)
-        h0 = gl.program_id(2) * 64
+    def _item_info(item, pos_ptr, lo_ptr, req_ptr, num_splits, HB: gl.constexpr, W: gl.constexpr,
+                   NW: gl.constexpr, NT: gl.constexpr, PARTIAL: gl.constexpr):
+        """Work item -> (token, split, first head, position, lowest visible position, request,
+        first tile, tile count). Items are (token, split, head block), head block fastest."""
+        h0 = (item % HB) * 64
+        split = (item // HB) % num_splits
+        t = item // (HB * num_splits)
         pos = gl.load(pos_ptr + t).to(gl.int32)
         lo = gl.maximum(gl.load(lo_ptr + t).to(gl.int32), 0)
         req = gl.load(req_ptr + t).to(gl.int64)
@@ -477,10 +358,335 @@ if GLUON_AVAILABLE:
         # window tiles before the first visible position hold no key: skip them
         w_first = gl.maximum(lo - (pos - (W - 1)), 0) // 64
         i0 = gl.maximum(t0, gl.minimum(w_first, NW))
-        n_tiles = gl.maximum(t1 - i0, 0)
+        return t, split, h0, pos, lo, req, i0, gl.maximum(t1 - i0, 0)
 
+    @gluon.jit
+    def _publish(ok_s, k_ready, b, ok, it, item, dbg_ptr, DBG_NT: gl.constexpr):
+        """Tile ``it`` is in buffer ``b``: its keys' validity, then the hand-over (the fence
+        orders the generic-proxy stores before the consumers' wgmma reads)."""
+        ok_s.index(b).store(ok.to(gl.int32))
+        _stamp(dbg_ptr, 1, it, item, DBG_NT)
+        fence_async_shared()
+        mbarrier.arrive(k_ready.index(b), count=1)
+
+    # Q copies: thread (warp w, lane l) copies 16-byte pieces of rows 16 w + 8 (l // 16) .. + 7
+    _QL = gl.constexpr(gl.BlockedLayout([8, 8], [2, 16], [4, 1], [1, 0]))
+
+    @gluon.jit
+    def _load_q_now(q_s, item, num_splits, q_ptr, stride_qt, stride_qh, H, HB: gl.constexpr):
+        """``item``'s Q into ``q_s`` through registers (all loads first, then the stores)."""
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        RS: gl.constexpr = gl.SliceLayout(1, _MS)
+        h0 = (item % HB) * 64
+        t = item // (HB * num_splits)
+        hq = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+        dq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+        q_row = q_ptr + t.to(gl.int64) * stride_qt + hq[:, None] * stride_qh
+        ok = (hq < H)[:, None]
+        x0 = gl.load(q_row + dq[None, :], mask=ok, other=0.0)
+        x1 = gl.load(q_row + (128 + dq)[None, :], mask=ok, other=0.0)
+        x2 = gl.load(q_row + (256 + dq)[None, :], mask=ok, other=0.0)
+        x3 = gl.load(q_row + (384 + dq)[None, :], mask=ok, other=0.0)
+        q_s.slice(0, 128, dim=1).store(x0)
+        q_s.slice(128, 128, dim=1).store(x1)
+        q_s.slice(256, 128, dim=1).store(x2)
+        q_s.slice(384, 128, dim=1).store(x3)
+        fence_async_shared()
+
+    @gluon.jit
+    def _load_q(q_s, q_ready, item, num_splits, q_ptr, stride_qt, stride_qh, H, HB: gl.constexpr):
+        """cp.async of item ``item``'s Q ``[64 heads, 512]`` into ``q_s``; every thread's copies
+        arrive on ``q_ready`` (128 arrivals) when they land."""
+        h0 = (item % HB) * 64
+        t = item // (HB * num_splits)
+        hq = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, _QL))
+        dq = gl.arange(0, 128, layout=gl.SliceLayout(0, _QL))
+        q_row = q_ptr + t.to(gl.int64) * stride_qt + hq[:, None] * stride_qh
+        for c in gl.static_range(4):
+            async_copy.async_copy_global_to_shared(q_s.slice(128 * c, 128, dim=1), q_row + (128 * c + dq)[None, :],
+                                                   mask=(hq < H)[:, None] & (dq >= 0)[None, :])
+        async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+    @gluon.jit
+    def _producer_q(q_s, q_ready, k_free, g0, item, num_splits, q_ptr, stride_qt, stride_qh, H,
+                    HB: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
+        """Q of ``item`` into ``q_s`` once the last tile before the item (``g0 - 1``) is freed:
+        its S, the last read of the previous Q, is done by then."""
+        if g0 > 0:
+            mbarrier.wait(k_free.index((g0 - 1) % 2), ((g0 - 1) // 2) & 1)
+        _stamp(dbg_ptr, 3, 1, item, DBG_NT)
+        _load_q(q_s, q_ready, item, num_splits, q_ptr, stride_qt, stride_qh, H, HB)
+        _stamp(dbg_ptr, 3, 2, item, DBG_NT)
+
+    @gluon.jit
+    def _producer(q_s, k_s, ok_s, q_ready, k_ready, k_free, pid, num_programs, num_items, num_splits,
+                  q_ptr, stride_qt, stride_qh, H,
+                  pos_ptr, lo_ptr, req_ptr, topk_ptr, topk_stride,
+                  w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
+                  c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
+                  W: gl.constexpr, W_BS: gl.constexpr, K: gl.constexpr, C_BS: gl.constexpr,
+                  RATIO: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr, HB: gl.constexpr,
+                  PARTIAL: gl.constexpr, D: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
+        """Worker: copies each item's Q in and fills the two tile buffers in turn, item after
+        item (up to two tiles ahead of the consumers, into the next item while they finish
+        one). The compressed tiles' loads are pipelined: while tile j is decoded, tile j + 1's
+        record bytes, tile j + 2's block ids and tile j + 3's entries are in flight (the
+        window tiles, at most two, are not pipelined)."""
+        # (no convert_layout in this partition: Triton 3.6 puts its scratch buffer where the
+        # partitions' captured arguments live, and another partition may not have read them yet)
+        n4 = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _W4))))
+        n8 = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _W8))))
+        g = 0  # tiles produced so far: buffer g % 2, its (g // 2)-th use
+        for item in range(pid, num_items, num_programs):
+            _stamp(dbg_ptr, 3, 0, item, DBG_NT)
+            t, split, h0, pos, lo, req, i0, n_tiles = _item_info(item, pos_ptr, lo_ptr, req_ptr, num_splits,
+                                                                 HB, W, NW, NT, PARTIAL)
+            n_w = gl.minimum(gl.maximum(NW - i0, 0), n_tiles)
+            n_c = n_tiles - n_w
+            c0 = i0 + n_w
+            # the first compressed tiles' entries go out now, behind the window tiles
+            e0 = _comp_entries(c0, n_c > 0, t, n4, topk_ptr, topk_stride, K, NW)
+            e1 = _comp_entries(c0 + 1, n_c > 1, t, n4, topk_ptr, topk_stride, K, NW)
+            e2 = _comp_entries(c0 + 2, n_c > 2, t, n4, topk_ptr, topk_stride, K, NW)
+            g0 = g
+            if (n_tiles > 0) & (item != pid):  # this item's Q, once the last one is read
+                _producer_q(q_s, q_ready, k_free, g0, item, num_splits, q_ptr, stride_qt, stride_qh, H, HB,
+                            dbg_ptr, DBG_NT)
+            for it in range(n_w):
+                _stamp(dbg_ptr, 0, it, item, DBG_NT)
+                b = g % 2
+                wblk = _window_blocks(i0 + it, pos, lo, req, n8, w_bt_ptr, w_bt_stride, W, W_BS)
+                vals, scales, ok = _window_records(i0 + it, pos, lo, wblk, n8, w_cache_ptr, w_block_stride, W,
+                                                   W_BS, D)
+                dst = k_s.index(b)
+                # all four chunks' loads go out before the wait for the buffer
+                w0, s0 = _fp8_chunk_load(vals, scales, ok, 0)
+                w1, s1 = _fp8_chunk_load(vals, scales, ok, 1)
+                w2, s2 = _fp8_chunk_load(vals, scales, ok, 2)
+                w3, s3 = _fp8_chunk_load(vals, scales, ok, 3)
+                mbarrier.wait(k_free.index(b), ((g // 2) & 1) ^ 1)
+                _stamp(dbg_ptr, 2, it, item, DBG_NT)
+                _fp8_chunk_store(w0, s0, dst.slice(0, 128, dim=1))
+                _fp8_chunk_store(w1, s1, dst.slice(128, 128, dim=1))
+                _fp8_chunk_store(w2, s2, dst.slice(256, 128, dim=1))
+                _fp8_chunk_store(w3, s3, dst.slice(384, 128, dim=1))
+                _publish(ok_s, k_ready, b, ok, it, item, dbg_ptr, DBG_NT)
+                g += 1
+
+            blk0 = _comp_blocks(e0, req, c_bt_ptr, c_bt_stride, C_BS, RATIO)
+            blk1 = _comp_blocks(e1, req, c_bt_ptr, c_bt_stride, C_BS, RATIO)
+            v, sc, ok = _comp_records(e0, blk0, c_cache_ptr, c_block_stride, C_BS, RATIO, D)
+            w0, w1, w2, w3, s0, s1, s2, s3 = _fp4_tile_load(v, sc, ok)
+            for jt in range(n_c):
+                it = n_w + jt
+                _stamp(dbg_ptr, 0, it, item, DBG_NT)
+                b = g % 2
+                v, sc, ok_n = _comp_records(e1, blk1, c_cache_ptr, c_block_stride, C_BS, RATIO, D)
+                x0, x1, x2, x3, y0, y1, y2, y3 = _fp4_tile_load(v, sc, ok_n)
+                blk2 = _comp_blocks(e2, req, c_bt_ptr, c_bt_stride, C_BS, RATIO)
+                e3 = _comp_entries(c0 + jt + 3, jt + 3 < n_c, t, n4, topk_ptr, topk_stride, K, NW)
+                dst = k_s.index(b)
+                mbarrier.wait(k_free.index(b), ((g // 2) & 1) ^ 1)
+                _stamp(dbg_ptr, 2, it, item, DBG_NT)
+                _fp4_chunk_store(w0, s0, dst.slice(0, 128, dim=1))
+                _fp4_chunk_store(w1, s1, dst.slice(128, 128, dim=1))
+                _fp4_chunk_store(w2, s2, dst.slice(256, 128, dim=1))
+                _fp4_chunk_store(w3, s3, dst.slice(384, 128, dim=1))
+                _publish(ok_s, k_ready, b, ok, it, item, dbg_ptr, DBG_NT)
+                w0, w1, w2, w3, s0, s1, s2, s3 = x0, x1, x2, x3, y0, y1, y2, y3
+                ok = ok_n
+                e1 = e2
+                blk1 = blk2
+                e2 = e3
+                g += 1
+
+    # ------------------------------------------------------------------ consumers
+    # wgmma accumulator layouts: S [64 heads, 64 keys] and one output half [64, 256]
+    _MS = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 64, 16]))
+    _MO = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 256, 16]))
+    @gluon.jit
+    def _softmax_step(s, it, g, item, m_i, l_i, acc, k_s, ok_s, p_s, a_s, k_free, p_ready, p_free,
+                      qk_scale, dbg_ptr, DBG_NT: gl.constexpr):
+        """The softmax warpgroup's work on tile ``it`` (the ``g``-th tile of this program) once
+        its logits ``s`` are in registers: online softmax, P and alpha to shared memory,
+        ``O[:, :256] += P K[:, :256]``."""
+        MS: gl.constexpr = _MS
+        MO: gl.constexpr = _MO
+        PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
+        RO: gl.constexpr = gl.SliceLayout(1, MO)
+        b = g % 2
+        okv = ok_s.index(b).load(gl.SliceLayout(0, MS))
+        s = gl.where((okv != 0)[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        pb = p.to(gl.bfloat16)
+        _stamp(dbg_ptr, 6, it, item, DBG_NT)
+        mbarrier.wait(p_free, (g & 1) ^ 1)  # the other warpgroup is done with the last P
+        _stamp(dbg_ptr, 7, it, item, DBG_NT)
+        p_s.store(pb)
+        a_s.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+        acc = acc * gl.convert_layout(alpha, RO, assert_trivial=True)[:, None]
+        tok = warpgroup_mma(gl.convert_layout(pb, PA, assert_trivial=True), k_s.index(b).slice(0, 256, dim=1),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[tok])
+        _stamp(dbg_ptr, 8, it, item, DBG_NT)
+        mbarrier.arrive(k_free.index(b), count=1)
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _softmax_pv0(q_s, k_s, ok_s, p_s, a_s, l_s, q_ready, k_ready, k_free, p_ready, p_free, fin, l_free,
+                     pid, num_programs, num_items, num_splits, pos_ptr, lo_ptr, req_ptr,
+                     q_ptr, stride_qt, stride_qh, sink_ptr, qk_scale, H, T,
+                     out_ptr, stride_ot, stride_oh, part_acc_ptr, part_m_ptr, part_l_ptr,
+                     W: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr, HB: gl.constexpr,
+                     HAS_SINK: gl.constexpr, H_PAD: gl.constexpr, PARTIAL: gl.constexpr,
+                     dbg_ptr, DBG_NT: gl.constexpr):
+        """Default partition, item after item: S, the online softmax, P and alpha for the other
+        warpgroup, and the first half of the output."""
+        MS: gl.constexpr = _MS
+        MO: gl.constexpr = _MO
+        RS: gl.constexpr = gl.SliceLayout(1, MS)
+        RO: gl.constexpr = gl.SliceLayout(1, MO)
+        # the first item's Q: loaded here while the producer starts on its tiles (later items'
+        # come in by cp.async from the producer, behind the item before)
+        _load_q_now(q_s, pid, num_splits, q_ptr, stride_qt, stride_qh, H, HB)
+        s0 = gl.zeros([64, 64], gl.float32, MS)
+        g = 0  # tiles consumed so far
+        n_done = 0  # items finished so far
+        n_q = 0  # Qs used so far (items with tiles)
+        for item in range(pid, num_items, num_programs):
+            _stamp(dbg_ptr, 12, 0, item, DBG_NT)
+            _stamp(dbg_ptr, 14, 0, item, DBG_NT, True)
+            t, split, h0, pos, lo, req, i0, n_tiles = _item_info(item, pos_ptr, lo_ptr, req_ptr, num_splits,
+                                                                 HB, W, NW, NT, PARTIAL)
+            hr = h0 + gl.arange(0, 64, layout=RS)
+            if HAS_SINK:
+                sink = gl.load(sink_ptr + hr, mask=hr < H, other=0.0).to(gl.float32) * 1.4426950408889634
+                m_i = gl.where(split == 0, sink, -1.0e30)
+                l_i = gl.where(split == 0, 1.0, 0.0) + gl.zeros([64], gl.float32, RS)
+            else:
+                m_i = gl.full([64], -1.0e30, gl.float32, RS)
+                l_i = gl.zeros([64], gl.float32, RS)
+            acc = gl.zeros([64, 256], gl.float32, MO)
+            if (n_tiles > 0) & (item != pid):  # the producer copied this item's Q in
+                mbarrier.wait(q_ready, n_q & 1)
+                fence_async_shared()  # the copies (generic proxy) before the wgmma reads (async proxy)
+                n_q += 1
+            _stamp(dbg_ptr, 9, 0, item, DBG_NT)
+            for it in range(n_tiles):
+                mbarrier.wait(k_ready.index(g % 2), (g // 2) & 1)
+                _stamp(dbg_ptr, 4, it, item, DBG_NT)
+                s = warpgroup_mma(q_s, k_s.index(g % 2).permute((1, 0)), s0, use_acc=False)
+                _stamp(dbg_ptr, 5, it, item, DBG_NT)
+                m_i, l_i, acc = _softmax_step(s, it, g, item, m_i, l_i, acc, k_s, ok_s, p_s, a_s, k_free,
+                                              p_ready, p_free, qk_scale, dbg_ptr, DBG_NT)
+                g += 1
+            rows = h0 + gl.arange(0, 64, layout=RO)
+            cols = gl.arange(0, 256, layout=gl.SliceLayout(0, MO))
+            if PARTIAL:
+                prow = (split.to(gl.int64) * T + t) * H_PAD + hr
+                gl.store(part_m_ptr + prow, m_i)
+                gl.store(part_l_ptr + prow, l_i)
+                arow = (split.to(gl.int64) * T + t) * H_PAD + rows
+                gl.store(part_acc_ptr + arow[:, None] * 512 + cols[None, :], acc)
+            else:
+                mbarrier.wait(l_free, (n_done & 1) ^ 1)  # the other warpgroup read the last l
+                l_s.store(l_i)
+                mbarrier.arrive(fin, count=1)
+                inv_l = gl.convert_layout(gl.where(l_i > 0, 1.0 / l_i, 1.0), RO, assert_trivial=True)
+                _store_half((acc * inv_l[:, None]).to(gl.bfloat16), out_ptr, t, stride_ot, stride_oh, h0, H, 0)
+            _stamp(dbg_ptr, 13, 0, item, DBG_NT)
+            _stamp(dbg_ptr, 15, 0, item, DBG_NT, True)
+            n_done += 1
+
+    @gluon.jit
+    def _pv1(k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin, l_free,
+             pid, num_programs, num_items, num_splits, pos_ptr, lo_ptr, req_ptr, H, T,
+             out_ptr, stride_ot, stride_oh, part_acc_ptr,
+             W: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr, HB: gl.constexpr,
+             H_PAD: gl.constexpr, PARTIAL: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
+        """Worker: the second half of the output, from the P and alpha in shared memory."""
+        MO: gl.constexpr = _MO
+        RO: gl.constexpr = gl.SliceLayout(1, MO)
+        g = 0
+        n_done = 0
+        for item in range(pid, num_items, num_programs):
+            t, split, h0, pos, lo, req, i0, n_tiles = _item_info(item, pos_ptr, lo_ptr, req_ptr, num_splits,
+                                                                 HB, W, NW, NT, PARTIAL)
+            acc = gl.zeros([64, 256], gl.float32, MO)
+            for it in range(n_tiles):
+                b = g % 2
+                mbarrier.wait(k_ready.index(b), (g // 2) & 1)
+                mbarrier.wait(p_ready, g & 1)
+                _stamp(dbg_ptr, 10, it, item, DBG_NT)
+                alpha = a_s.load(RO)
+                acc = acc * alpha[:, None]
+                acc = warpgroup_mma(p_s, k_s.index(b).slice(256, 256, dim=1), acc)
+                _stamp(dbg_ptr, 11, it, item, DBG_NT)
+                mbarrier.arrive(p_free, count=1)
+                mbarrier.arrive(k_free.index(b), count=1)
+                g += 1
+            rows = h0 + gl.arange(0, 64, layout=RO)
+            cols = 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, MO))
+            if PARTIAL:
+                arow = (split.to(gl.int64) * T + t) * H_PAD + rows
+                gl.store(part_acc_ptr + arow[:, None] * 512 + cols[None, :], acc)
+            else:
+                mbarrier.wait(fin, n_done & 1)
+                l_i = l_s.load(RO)
+                mbarrier.arrive(l_free, count=1)
+                o = (acc * gl.where(l_i > 0, 1.0 / l_i, 1.0)[:, None]).to(gl.bfloat16)
+                _store_half(o, out_ptr, t, stride_ot, stride_oh, h0, H, 256)
+            n_done += 1
+
+    @gluon.jit
+    def _store_half(o, out_ptr, t, stride_ot, stride_oh, h0, H, COL0: gl.constexpr):
+        """``o`` (bf16 ``[64, 256]``, wgmma accumulator layout) -> output rows ``h0 ..`` (those
+        below ``H``), columns ``COL0 .. COL0 + 255``, 16 bytes per store."""
+        lo, hi = gl.split(gl.reshape(o, [64, 128, 2]))
+        w = gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32,
+                                      is_pure=True, pack=1)  # [row, 4 k + q]: columns 8 k + 2 q, + 1
+        w = gl.permute(gl.reshape(w, [64, 8, 4, 4]), [0, 1, 3, 2])  # [row, k // 4, q, k % 4]
+        wa, wb = gl.split(gl.reshape(w, [64, 8, 4, 2, 2]))
+        w0, w2 = gl.split(wa)
+        w1, w3 = gl.split(wb)
+        L: gl.constexpr = w0.type.layout
+        r = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        kh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+        # after the exchange, thread q of a quad holds columns 8 (4 (k // 4) + q) .. + 7
+        col = COL0 + 8 * (4 * kh[None, :, None] + q[None, None, :])
+        row_ptr = out_ptr + t.to(gl.int64) * stride_ot + r.to(gl.int64) * stride_oh
+        addr = (row_ptr[:, None, None] + col).to(gl.int64, bitcast=True)
+        ok = gl.where(r < H, 1, 0)[:, None, None] + gl.zeros([64, 8, 4], gl.int32, L)
+        gl.inline_asm_elementwise(_STORE16_PTX, "=r,r,r,r,r,l,r", [w0, w1, w2, w3, addr, ok], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    # ------------------------------------------------------------------ kernel
+    @gluon.jit
+    def _decode_kernel(
+        q_ptr, stride_qt, stride_qh,
+        out_ptr, stride_ot, stride_oh,
+        part_acc_ptr, part_m_ptr, part_l_ptr,
+        sink_ptr, pos_ptr, lo_ptr, req_ptr,
+        w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
+        c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
+        topk_ptr, topk_stride,
+        T, H, qk_scale, num_splits, num_items,
+        D: gl.constexpr, W: gl.constexpr, W_BS: gl.constexpr,
+        K: gl.constexpr, C_BS: gl.constexpr, RATIO: gl.constexpr,
+        NW: gl.constexpr, NT: gl.constexpr, HB: gl.constexpr, HAS_SINK: gl.constexpr,
+        H_PAD: gl.constexpr, PARTIAL: gl.constexpr,
+        PV1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        dbg_ptr, DBG_NT: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
         QSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
         PSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
         VL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -490,71 +696,80 @@ if GLUON_AVAILABLE:
         ok_s = gl.allocate_shared_memory(gl.int32, [2, 64], VL)
         a_s = gl.allocate_shared_memory(gl.float32, [64], VL)
         l_s = gl.allocate_shared_memory(gl.float32, [64], VL)
+        # (separate allocations: slicing one barrier allocation crashes Triton 3.6's lowering)
         BL: gl.constexpr = mbarrier.MBarrierLayout()
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], BL)
         k_free = gl.allocate_shared_memory(gl.int64, [2, 1], BL)
-        bars = gl.allocate_shared_memory(gl.int64, [4, 1], BL)
-        p_ready = bars.index(0)
-        p_free = bars.index(1)
-        fin = bars.index(2)
+        bars = gl.allocate_shared_memory(gl.int64, [6, 1], BL)
+        q_ready = bars.index(0)
+        p_ready = bars.index(1)
+        p_free = bars.index(2)
+        fin = bars.index(3)
+        l_free = bars.index(4)
         mbarrier.init(k_ready.index(0), count=1)
         mbarrier.init(k_ready.index(1), count=1)
         mbarrier.init(k_free.index(0), count=2)
         mbarrier.init(k_free.index(1), count=2)
+        mbarrier.init(q_ready, count=128)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
         mbarrier.init(fin, count=1)
-
-        hq = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-        dq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-        q_row = q_ptr + t.to(gl.int64) * stride_qt + hq[:, None] * stride_qh
-        for c in gl.static_range(4):
-            qv = gl.load(q_row + (128 * c + dq)[None, :], mask=(hq < H)[:, None], other=0.0)
-            q_s.slice(128 * c, 128, dim=1).store(qv)
-        fence_async_shared()
-
-        hr = h0 + gl.arange(0, 64, layout=RS)
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + hr, mask=hr < H, other=0.0).to(gl.float32) * 1.4426950408889634
-            m0 = gl.where(split == 0, sink, -1.0e30)
-            l0 = gl.where(split == 0, 1.0, 0.0) + gl.zeros([64], gl.float32, RS)
-        else:
-            m0 = gl.full([64], -1.0e30, gl.float32, RS)
-            l0 = gl.zeros([64], gl.float32, RS)
+        mbarrier.init(l_free, count=1)
 
         gl.warp_specialize([
-            (_softmax_pv0, (q_s, k_s, ok_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin,
-                            n_tiles, m0, l0, qk_scale, t, h0, H, T, split,
+            (_softmax_pv0, (q_s, k_s, ok_s, p_s, a_s, l_s, q_ready, k_ready, k_free, p_ready, p_free, fin, l_free,
+                            pid, num_programs, num_items, num_splits, pos_ptr, lo_ptr, req_ptr,
+                            q_ptr, stride_qt, stride_qh, sink_ptr, qk_scale, H, T,
                             out_ptr, stride_ot, stride_oh, part_acc_ptr, part_m_ptr, part_l_ptr,
-                            H_PAD, PARTIAL, dbg_ptr, DBG_NT)),
-            (_pv1, (k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin,
-                    n_tiles, t, h0, H, T, split,
-                    out_ptr, stride_ot, stride_oh, part_acc_ptr, H_PAD, PARTIAL, dbg_ptr, DBG_NT)),
-            (_producer, (k_s, ok_s, k_ready, k_free, t, pos, lo, req, i0, n_tiles,
-                         topk_ptr, topk_stride,
+                            W, NW, NT, HB, HAS_SINK, H_PAD, PARTIAL, dbg_ptr, DBG_NT)),
+            (_pv1, (k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, fin, l_free,
+                    pid, num_programs, num_items, num_splits, pos_ptr, lo_ptr, req_ptr, H, T,
+                    out_ptr, stride_ot, stride_oh, part_acc_ptr, W, NW, NT, HB, H_PAD, PARTIAL,
+                    dbg_ptr, DBG_NT)),
+            (_producer, (q_s, k_s, ok_s, q_ready, k_ready, k_free, pid, num_programs, num_items, num_splits,
+                         q_ptr, stride_qt, stride_qh, H, pos_ptr, lo_ptr, req_ptr, topk_ptr, topk_stride,
                          w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
                          c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
-                         W, W_BS, K, C_BS, RATIO, NW, D, dbg_ptr, DBG_NT)),
+                         W, W_BS, K, C_BS, RATIO, NW, NT, HB, PARTIAL, D, dbg_ptr, DBG_NT)),
         ], [4, 4], [PV1_REGS, PRODUCER_REGS])
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 def gluon_decode(o, splits: int, part_acc, part_m, part_l, h_pad: int,
                  pv1_regs: int = 160, producer_regs: int = 128, maxnreg: int = 168,
-                 timing: torch.Tensor | None = None) -> None:
-    """Launch on checked operands (``sparse_mla_decode._Operands``), 64 heads per program.
+                 programs: int | None = None, timing: torch.Tensor | None = None) -> None:
+    """Launch on checked operands (``sparse_mla_decode._Operands``), 64 heads per item.
 
-    Registers per thread: the second PV warpgroup ``pv1_regs``, the producer
-    ``producer_regs``, the softmax warpgroup the rest of ``3 * maxnreg`` (216; 384 threads
-    allow ``maxnreg`` <= 170). ``timing`` (debug; int64 ``[programs, 16, tiles]``) receives
-    ``%clock64`` stamps: producer tile start (0) / stored (1); softmax warpgroup after the
-    tile's ready wait (4), after S (5), before / after waiting for the P buffer (6 / 7),
-    after its PV (8); second PV warpgroup after the P wait (10), after its PV (11).
+    Work items are (token, split, 64-head block); ``programs`` persistent CTAs (default: one
+    per SM, at most one per item) take every ``programs``-th item, so one item's Q load, first
+    index chains and epilogue overlap its neighbours' tiles. Registers per thread: the second
+    PV warpgroup ``pv1_regs``, the producer ``producer_regs``, the softmax warpgroup the rest
+    of ``3 * maxnreg`` (216; 384 threads allow ``maxnreg`` <= 170). ``timing`` (debug; int64
+    ``[items, 16, tiles]``) receives ``%clock64`` stamps: producer tile start (0) / buffer free
+    (2) / stored (1), item start / Q copy issued / Q copies out (3, in the tile 0 / 1 / 2
+    slots); softmax warpgroup after the tile's ready wait (4), after S (5), before /
+    after waiting for the P buffer (6 / 7), after its PV (8), item start / Q landed / item
+    end (12 / 9 / 13, tile 0; 14 / 15: the same as global-timer nanoseconds); second PV
+    warpgroup after the P wait (10), after its PV (11).
     """
     q, out = o.q, o.out
     T, H, D = q.shape
     window_tiles = -(-o.window // 64)
     num_tiles = window_tiles + (-(-o.K // 64) if o.has_comp else 0)
-    _decode_kernel[(T, splits, h_pad // 64)](
+    num_items = T * splits * (h_pad // 64)
+    if programs is None:
+        programs = _sm_count(q.device)
+    programs = max(1, min(programs, num_items))
+    _decode_kernel[(programs,)](
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),
         part_acc, part_m, part_l,
@@ -562,10 +777,10 @@ def gluon_decode(o, splits: int, part_acc, part_m, part_l, h_pad: int,
         o.window_cache, o.w_stride, o.window_block_table, o.window_block_table.stride(0),
         o.comp_cache, o.c_stride, o.comp_block_table, o.comp_block_table.stride(0),
         o.topk, o.topk.stride(0),
-        T, H, o.scale * _LOG2E, splits,
+        T, H, o.scale * _LOG2E, splits, num_items,
         D=D, W=o.window, W_BS=o.window_block_size,
         K=o.K, C_BS=o.comp_block_size, RATIO=o.comp_ratio,
-        NW=window_tiles, NT=num_tiles, HAS_SINK=o.sink is not None,
+        NW=window_tiles, NT=num_tiles, HB=h_pad // 64, HAS_SINK=o.sink is not None,
         H_PAD=h_pad, PARTIAL=splits > 1,
         PV1_REGS=pv1_regs, PRODUCER_REGS=producer_regs,
         dbg_ptr=timing if timing is not None else part_m,
