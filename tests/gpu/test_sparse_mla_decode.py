@@ -237,6 +237,23 @@ def test_gluon_splits_and_agreement(device, splits, ratio):
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run in Triton's interpreter")
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("splits", [1, 3, 40])
+def test_gluon_persistent_programs(device, programs, splits):
+    """Fewer persistent CTAs than work items: each CTA runs many items back to back (Q
+    copies behind the item before, tile buffers and barriers carried across items), items
+    without tiles among them (split ranges inside skipped window tiles), two head blocks.
+    An item's result does not depend on which CTA ran it: bit-identical to one CTA per SM."""
+    if not _gluon_ok(device):
+        pytest.skip("needs an sm90 GPU and Triton's Gluon")
+    case = make_case(device, tokens_per_req=[1, 2, 1, 3], H=100, D=512, W=128, K=512, ratio=2, block_size=64,
+                     dtype=torch.bfloat16, seed=70 + splits, max_len=2000)
+    out = _check(case, DecodeConfig(gluon=True, num_splits=splits, programs=programs))
+    one_per_sm = sparse_mla_decode(case.q, **case.args, config=DecodeConfig(gluon=True, num_splits=splits))
+    assert torch.equal(out, one_per_sm.float())
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run in Triton's interpreter")
 def test_gluon_invalid_keys_never_read(device):
     """As ``test_invalid_keys_never_read`` for the Gluon kernel: bytes no valid key owns (NaN
     codes included) change nothing, bit for bit."""

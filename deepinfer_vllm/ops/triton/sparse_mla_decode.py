@@ -442,8 +442,9 @@ class DecodeConfig:
     2 also the record bytes, 3 as 2 with the first tiles' index loads issued before
     the window tiles. Costs registers (sm90 offline: spills ~0.5 KB -> 0.7-0.9 KB).
     ``gluon``: the warp-specialised sm90 kernel of ``sparse_mla_decode_gluon`` (bf16, D = 512;
-    64-key tiles, 64 heads per program; only ``num_splits`` applies to it). None = use it
-    where supported, True = require it, False = never.
+    64-key tiles, 64 heads per work item; of the rest only ``num_splits`` applies to it). None
+    = use it where supported, True = require it, False = never. ``programs``: its persistent
+    CTAs (0 = one per SM; fewer make each take more work items, which the tests use).
     Measured on the H200 (Triton 3.6): prefetch 1 is fastest at 64-256 tokens
     (T=256: 123 us vs 129 us without); 2 and 3 lose to their extra spills.
     """
@@ -458,6 +459,7 @@ class DecodeConfig:
     fast_fp4: bool = True
     prefetch: int = 1
     gluon: bool | None = None
+    programs: int = 0
 
 
 # fp32 queries take the FMA path (IEEE products, operands in registers): small head and
@@ -753,6 +755,6 @@ def _launch_gluon(o: _Operands, cfg: DecodeConfig) -> None:
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = o.out  # unused
-    gluon_decode(o, splits, part_acc, part_m, part_l, h_pad)
+    gluon_decode(o, splits, part_acc, part_m, part_l, h_pad, programs=cfg.programs or None)
     if splits > 1:
         _combine(part_acc, part_m, part_l, o.out, splits, h_pad, D)

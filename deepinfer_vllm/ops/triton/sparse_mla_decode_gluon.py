@@ -556,8 +556,11 @@ if GLUON_AVAILABLE:
         RS: gl.constexpr = gl.SliceLayout(1, MS)
         RO: gl.constexpr = gl.SliceLayout(1, MO)
         # the first item's Q: loaded here while the producer starts on its tiles (later items'
-        # come in by cp.async from the producer, behind the item before)
-        _load_q_now(q_s, pid, num_splits, q_ptr, stride_qt, stride_qh, H, HB)
+        # come in by cp.async from the producer, behind the item before). Not for an item
+        # without tiles: the producer may then copy the next item's Q in at once.
+        n_first = _item_info(pid, pos_ptr, lo_ptr, req_ptr, num_splits, HB, W, NW, NT, PARTIAL)[7]
+        if n_first > 0:
+            _load_q_now(q_s, pid, num_splits, q_ptr, stride_qt, stride_qh, H, HB)
         s0 = gl.zeros([64, 64], gl.float32, MS)
         g = 0  # tiles consumed so far
         n_done = 0  # items finished so far
