@@ -8,8 +8,9 @@ warpgroups of one CTA each do one job, handing tiles of 64 keys over shared memo
 * **producer** (4 warps): gathers a tile's records (for the compressed tiles the three
   dependent loads, entries -> block ids -> records, are kept one tile apart), dequantises
   them exactly to bf16 in registers and stores the ``[64, 512]`` tile into one of two
-  shared-memory buffers, with each key's validity; it also copies each item's Q in
-  (cp.async) once the previous item's last tile is released;
+  shared-memory buffers, with each key's validity; it also copies each later item's Q in
+  (cp.async) once the previous item's last tile is released (the softmax warpgroup loads a
+  CTA's first Q itself);
 * **softmax warpgroup** (the default partition): ``S = Q K^T`` (both operands in shared
   memory), the online softmax, ``P`` (bf16) and the per-row rescale factor to shared memory
   for the other warpgroup, then ``O[:, :256] += P K[:, :256]`` with ``P`` in registers;
