@@ -237,17 +237,24 @@ def test_gluon_splits_and_agreement(device, splits, ratio):
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run in Triton's interpreter")
+@pytest.mark.parametrize("q_rows", ["token-contiguous", "strided"])
 @pytest.mark.parametrize("programs", [1, 3, 7])
 @pytest.mark.parametrize("splits", [1, 3, 40])
-def test_gluon_persistent_programs(device, programs, splits):
+def test_gluon_persistent_programs(device, programs, splits, q_rows):
     """Fewer persistent CTAs than work items: each CTA runs many items back to back (Q
     copies behind the item before, tile buffers and barriers carried across items), items
     without tiles among them (split ranges inside skipped window tiles), two head blocks.
-    An item's result does not depend on which CTA ran it: bit-identical to one CTA per SM."""
+    Q's token rows contiguous (copied by TMA) or every other token of a bigger tensor (by
+    cp.async). An item's result does not depend on which CTA ran it: bit-identical to one
+    CTA per SM."""
     if not _gluon_ok(device):
         pytest.skip("needs an sm90 GPU and Triton's Gluon")
     case = make_case(device, tokens_per_req=[1, 2, 1, 3], H=100, D=512, W=128, K=512, ratio=2, block_size=64,
                      dtype=torch.bfloat16, seed=70 + splits, max_len=2000)
+    if q_rows == "strided":
+        wide = torch.full((2 * case.q.shape[0], *case.q.shape[1:]), float("nan"), dtype=case.q.dtype, device=device)
+        wide[::2] = case.q
+        case.q = wide[::2]
     out = _check(case, DecodeConfig(gluon=True, num_splits=splits, programs=programs))
     one_per_sm = sparse_mla_decode(case.q, **case.args, config=DecodeConfig(gluon=True, num_splits=splits))
     assert torch.equal(out, one_per_sm.float())

@@ -63,8 +63,9 @@ try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -234,13 +235,21 @@ if GLUON_AVAILABLE:
         off = (c + NB * NI * hh)[:, None, None] + (NI * bb)[None, :, None] + ii[None, None, :]
         return off[None, :, :, :]
 
+    # The same words as one run of 8 per thread (two 16-byte loads instead of four 8-byte ones)
+    _W4V = gl.constexpr(gl.BlockedLayout([1, 1, 8], [16, 2, 1], [4, 1, 1], [2, 1, 0]))
+
     @gluon.jit
     def _fp4_chunk_load(vals, scales, ok, c):
         """Raw bytes of dims 128 c .. 128 c + 127 of each thread's key (``vals`` / ``scales``:
         the record's value and scale bases, ``ok``: read it): 8 words and 1 scale word."""
-        wp = vals.to(gl.pointer_type(gl.int32))
-        words = gl.load(wp[:, None, None, None] + _words_offsets(16 * c, 4, 2, _W4),
-                        mask=ok[:, None, None, None], other=0)
+        KV: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _W4V))
+        wp = gl.convert_layout(vals.to(gl.pointer_type(gl.int32)), KV, assert_trivial=True)
+        okv = gl.convert_layout(ok, KV, assert_trivial=True)
+        hh = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(0, _W4V)))
+        ww = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, _W4V)))
+        off = (16 * c + 8 * hh)[:, None] + ww[None, :]
+        run = gl.load(wp[:, None, None] + off[None, :, :], mask=okv[:, None, None], other=0)
+        words = gl.convert_layout(gl.reshape(run, [64, 2, 4, 2]), _W4, assert_trivial=True)
         hs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, _W4))))
         sp = scales.to(gl.pointer_type(gl.int32))
         scl = gl.load(sp[:, None] + (2 * c + hs)[None, :], mask=ok[:, None], other=0)
@@ -411,19 +420,27 @@ if GLUON_AVAILABLE:
         async_copy.mbarrier_arrive(q_ready, increment_count=False)
 
     @gluon.jit
-    def _producer_q(q_s, q_ready, k_free, g0, item, num_splits, q_ptr, stride_qt, stride_qh, H,
-                    HB: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
+    def _producer_q(q_s, q_ready, k_free, g0, item, num_splits, q_ptr, stride_qt, stride_qh, H, q_desc,
+                    HB: gl.constexpr, Q_TMA: gl.constexpr, dbg_ptr, DBG_NT: gl.constexpr):
         """Q of ``item`` into ``q_s`` once the last tile before the item (``g0 - 1``) is freed:
-        its S, the last read of the previous Q, is done by then."""
+        its S, the last read of the previous Q, is done by then. ``Q_TMA``: eight 64 x 64 TMA
+        boxes of the ``[T * H, 512]`` view (one thread issues them; they do not queue behind
+        the record gathers), else per-thread cp.async."""
         if g0 > 0:
             mbarrier.wait(k_free.index((g0 - 1) % 2), ((g0 - 1) // 2) & 1)
         _stamp(dbg_ptr, 3, 1, item, DBG_NT)
-        _load_q(q_s, q_ready, item, num_splits, q_ptr, stride_qt, stride_qh, H, HB)
+        if Q_TMA:
+            row = (item // (HB * num_splits)) * H + (item % HB) * 64
+            mbarrier.expect(q_ready, 64 * 512 * 2)
+            for c in gl.static_range(8):
+                tma.async_copy_global_to_shared(q_desc, [row, 64 * c], q_ready, q_s.slice(64 * c, 64, dim=1))
+        else:
+            _load_q(q_s, q_ready, item, num_splits, q_ptr, stride_qt, stride_qh, H, HB)
         _stamp(dbg_ptr, 3, 2, item, DBG_NT)
 
     @gluon.jit
     def _producer(q_s, k_s, ok_s, q_ready, k_ready, k_free, pid, num_programs, num_items, num_splits,
-                  q_ptr, stride_qt, stride_qh, H,
+                  q_ptr, stride_qt, stride_qh, H, q_desc, Q_TMA: gl.constexpr,
                   pos_ptr, lo_ptr, req_ptr, topk_ptr, topk_stride,
                   w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
                   c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
@@ -453,14 +470,16 @@ if GLUON_AVAILABLE:
             e2 = _comp_entries(c0 + 2, n_c > 2, t, n4, topk_ptr, topk_stride, K, NW)
             g0 = g
             if (n_tiles > 0) & (item != pid):  # this item's Q, once the last one is read
-                _producer_q(q_s, q_ready, k_free, g0, item, num_splits, q_ptr, stride_qt, stride_qh, H, HB,
-                            dbg_ptr, DBG_NT)
+                _producer_q(q_s, q_ready, k_free, g0, item, num_splits, q_ptr, stride_qt, stride_qh, H, q_desc,
+                            HB, Q_TMA, dbg_ptr, DBG_NT)
+            wblk = _window_blocks(i0, pos, lo, req, n8, w_bt_ptr, w_bt_stride, W, W_BS)
             for it in range(n_w):
                 _stamp(dbg_ptr, 0, it, item, DBG_NT)
                 b = g % 2
-                wblk = _window_blocks(i0 + it, pos, lo, req, n8, w_bt_ptr, w_bt_stride, W, W_BS)
                 vals, scales, ok = _window_records(i0 + it, pos, lo, wblk, n8, w_cache_ptr, w_block_stride, W,
                                                    W_BS, D)
+                # the next window tile's block ids: a tile ahead, like the compressed chain
+                wblk = _window_blocks(i0 + it + 1, pos, lo, req, n8, w_bt_ptr, w_bt_stride, W, W_BS)
                 dst = k_s.index(b)
                 # all four chunks' loads go out before the wait for the buffer
                 w0, s0 = _fp8_chunk_load(vals, scales, ok, 0)
@@ -677,7 +696,7 @@ if GLUON_AVAILABLE:
     # ------------------------------------------------------------------ kernel
     @gluon.jit
     def _decode_kernel(
-        q_ptr, stride_qt, stride_qh,
+        q_ptr, stride_qt, stride_qh, q_desc,
         out_ptr, stride_ot, stride_oh,
         part_acc_ptr, part_m_ptr, part_l_ptr,
         sink_ptr, pos_ptr, lo_ptr, req_ptr,
@@ -688,7 +707,7 @@ if GLUON_AVAILABLE:
         D: gl.constexpr, W: gl.constexpr, W_BS: gl.constexpr,
         K: gl.constexpr, C_BS: gl.constexpr, RATIO: gl.constexpr,
         NW: gl.constexpr, NT: gl.constexpr, HB: gl.constexpr, HAS_SINK: gl.constexpr,
-        H_PAD: gl.constexpr, PARTIAL: gl.constexpr,
+        H_PAD: gl.constexpr, PARTIAL: gl.constexpr, Q_TMA: gl.constexpr,
         PV1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         dbg_ptr, DBG_NT: gl.constexpr,
     ):
@@ -717,7 +736,7 @@ if GLUON_AVAILABLE:
         mbarrier.init(k_ready.index(1), count=1)
         mbarrier.init(k_free.index(0), count=2)
         mbarrier.init(k_free.index(1), count=2)
-        mbarrier.init(q_ready, count=128)
+        mbarrier.init(q_ready, count=1 if Q_TMA else 128)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
         mbarrier.init(fin, count=1)
@@ -734,7 +753,7 @@ if GLUON_AVAILABLE:
                     out_ptr, stride_ot, stride_oh, part_acc_ptr, W, NW, NT, HB, H_PAD, PARTIAL,
                     dbg_ptr, DBG_NT)),
             (_producer, (q_s, k_s, ok_s, q_ready, k_ready, k_free, pid, num_programs, num_items, num_splits,
-                         q_ptr, stride_qt, stride_qh, H, pos_ptr, lo_ptr, req_ptr, topk_ptr, topk_stride,
+                         q_ptr, stride_qt, stride_qh, H, q_desc, Q_TMA, pos_ptr, lo_ptr, req_ptr, topk_ptr, topk_stride,
                          w_cache_ptr, w_block_stride, w_bt_ptr, w_bt_stride,
                          c_cache_ptr, c_block_stride, c_bt_ptr, c_bt_stride,
                          W, W_BS, K, C_BS, RATIO, NW, NT, HB, PARTIAL, D, dbg_ptr, DBG_NT)),
@@ -749,6 +768,25 @@ def _sm_count(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+_Q_BOX_LAYOUT = None
+_DUMMY_Q: dict = {}
+
+
+def _q_descriptor(q: torch.Tensor):
+    """A TMA descriptor of ``q`` as ``[T * H, 512]`` (64 x 64 boxes) when its tokens' rows are
+    contiguous; else one over a dummy tensor, with the kernel told to copy Q by cp.async."""
+    global _Q_BOX_LAYOUT
+    if _Q_BOX_LAYOUT is None:
+        _Q_BOX_LAYOUT = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    T, H, D = q.shape
+    if q.stride(2) == 1 and q.stride(0) == H * q.stride(1) and q.stride(1) % 8 == 0 and q.data_ptr() % 16 == 0:
+        rows = q.as_strided((T * H, D), (q.stride(1), 1))
+        return TensorDescriptor.from_tensor(rows, [64, 64], _Q_BOX_LAYOUT), True
+    if q.device not in _DUMMY_Q:
+        _DUMMY_Q[q.device] = torch.zeros(64, 64, dtype=torch.bfloat16, device=q.device)
+    return TensorDescriptor.from_tensor(_DUMMY_Q[q.device], [64, 64], _Q_BOX_LAYOUT), False
 
 
 def gluon_decode(o, splits: int, part_acc, part_m, part_l, h_pad: int,
@@ -776,8 +814,9 @@ def gluon_decode(o, splits: int, part_acc, part_m, part_l, h_pad: int,
     if programs is None:
         programs = _sm_count(q.device)
     programs = max(1, min(programs, num_items))
+    q_desc, q_tma = _q_descriptor(q)
     _decode_kernel[(programs,)](
-        q, q.stride(0), q.stride(1),
+        q, q.stride(0), q.stride(1), q_desc,
         out, out.stride(0), out.stride(1),
         part_acc, part_m, part_l,
         o.sink if o.sink is not None else q, o.positions, o.window_lo, o.token_req,
@@ -788,7 +827,7 @@ def gluon_decode(o, splits: int, part_acc, part_m, part_l, h_pad: int,
         D=D, W=o.window, W_BS=o.window_block_size,
         K=o.K, C_BS=o.comp_block_size, RATIO=o.comp_ratio,
         NW=window_tiles, NT=num_tiles, HB=h_pad // 64, HAS_SINK=o.sink is not None,
-        H_PAD=h_pad, PARTIAL=splits > 1,
+        H_PAD=h_pad, PARTIAL=splits > 1, Q_TMA=q_tma,
         PV1_REGS=pv1_regs, PRODUCER_REGS=producer_regs,
         dbg_ptr=timing if timing is not None else part_m,
         DBG_NT=timing.shape[-1] if timing is not None else 0,
