@@ -13,7 +13,7 @@ import torch
 
 from deepinfer_vllm.ops.quant import e2m1_decode, e4m3_decode, ue8m0_decode
 from deepinfer_vllm.ops.triton.sparse_mla_decode_gluon import (FP4_SCALE_PTX, FP4_WORD_PTX, FP8_WORD_PTX,
-                                                               STORE16_PTX)
+                                                               STORE16_F32_PTX, STORE16_PTX)
 from tests.ops.ptx_subset import run_ptx
 
 
@@ -67,27 +67,54 @@ def test_fp8_word_ptx_matches_mxfp8_reference():
         assert torch.equal(got[~nan], want[~nan]), f"scale byte {s}: values differ"
 
 
-def test_store16_ptx_gives_each_lane_8_adjacent_columns():
-    """A warp holding a wgmma accumulator fragment: lane l has row l // 4 and, for column
-    groups 4 k + i (i = 0..3), the word of columns 8 (4 k + i) + 2 (l % 4), + 1. After the
-    exchange each lane stores, at the address it passed, columns 8 (4 k + l % 4) .. + 7 of
-    its row in order, and nothing for rows marked invalid."""
-    lane = torch.arange(32, dtype=torch.int64)
-    row, q = lane // 4, lane % 4
-    k = torch.arange(8, dtype=torch.int64).unsqueeze(-1)  # 8 blocks of 4 column groups x 32 lanes
+_LANE = torch.arange(32, dtype=torch.int64)
+_ROW, _Q = _LANE // 4, _LANE % 4  # a wgmma accumulator fragment: row l // 4, quad lane l % 4
 
-    def word(col: torch.Tensor) -> torch.Tensor:  # a word's identity: its row and first column
-        return (row << 16) | col
 
-    words = [word(8 * (4 * k + i) + 2 * q) for i in range(4)]
-    col0 = 8 * (4 * k + q)
-    addr = (row << 20) | col0
-    valid = (row < 6).to(torch.int64).expand(8, 32)
+def _word(col: torch.Tensor) -> torch.Tensor:
+    """A word's identity: its row and its (first) column."""
+    return (_ROW << 16) | col
+
+
+def _run_store(ptx: str, words: list, col0: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+    """Run an epilogue exchange on a simulated warp, each lane passing the address of the row
+    and first column it should store; check it stores there, only where valid, and return
+    the stored words of the valid lanes."""
+    addr = (_ROW << 20) | col0
+    valid = valid_rows.to(torch.int64).expand(col0.shape)
     stores: list = []
-    (done,) = run_ptx(STORE16_PTX, 1, words + [addr, valid], stores)
-    assert torch.equal(done, torch.zeros(8, 32, dtype=torch.int64))
+    (done,) = run_ptx(ptx, 1, words + [addr, valid], stores)
+    assert torch.equal(done, torch.zeros(col0.shape, dtype=torch.int64))
     ((where, data, pred),) = stores
-    assert torch.equal(where, addr.expand(8, 32))
+    assert torch.equal(where, addr.expand(col0.shape))
     assert torch.equal(pred, valid != 0)
-    want = torch.stack([word(col0 + 2 * j) for j in range(4)], dim=-1).expand(8, 32, 4)
-    assert torch.equal(data[pred], want[pred])
+    return data[pred], pred
+
+
+def test_store16_ptx_gives_each_lane_8_adjacent_columns():
+    """Lane l has, for column groups 4 k + i (i = 0..3), the word of columns 8 (4 k + i) +
+    2 (l % 4), + 1. After the exchange each lane stores, at the address it passed, columns
+    8 (4 k + l % 4) .. + 7 of its row in order, and nothing for rows marked invalid."""
+    k = torch.arange(8, dtype=torch.int64).unsqueeze(-1)  # 8 blocks of 4 column groups x 32 lanes
+    words = [_word(8 * (4 * k + i) + 2 * _Q) for i in range(4)]
+    col0 = 8 * (4 * k + _Q)
+    data, pred = _run_store(STORE16_PTX, words, col0, _ROW < 6)
+    want = torch.stack([_word(col0 + 2 * j) for j in range(4)], dim=-1).expand(8, 32, 4)
+    assert torch.equal(data, want[pred])
+
+
+def test_store16_f32_ptx_gives_each_lane_4_adjacent_columns():
+    """The split outputs' fp32 fragment: lane l holds columns 16 m + 2 q, + 1 (group A = 2 m)
+    and 16 m + 8 + 2 q, + 1 (group B), q = l % 4. After the pair swap an even lane stores
+    columns 16 m + 2 q .. + 3, an odd lane 16 m + 8 + 2 q - 2 .. + 3, in order, at the
+    address it passed; every column of a valid row exactly once, nothing of invalid rows."""
+    m = torch.arange(16, dtype=torch.int64).unsqueeze(-1)  # 16 pairs of column groups x 32 lanes
+    a, b = 16 * m + 2 * _Q, 16 * m + 8 + 2 * _Q
+    col0 = 16 * m + 2 * _Q + 6 * (_Q & 1)
+    data, pred = _run_store(STORE16_F32_PTX, [_word(a), _word(a + 1), _word(b), _word(b + 1)], col0,
+                            _ROW != 3)
+    want = torch.stack([_word(col0 + j) for j in range(4)], dim=-1).expand(16, 32, 4)
+    assert torch.equal(data, want[pred])
+    got = data.flatten()
+    assert sorted(((got >> 16) * 256 + (got & 0xFFFF)).tolist()) == [
+        r * 256 + c for r in range(8) if r != 3 for c in range(256)]

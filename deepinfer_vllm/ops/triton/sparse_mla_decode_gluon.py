@@ -9,8 +9,8 @@ warpgroups of one CTA each do one job, handing tiles of 64 keys over shared memo
   dependent loads, entries -> block ids -> records, are kept one tile apart), dequantises
   them exactly to bf16 in registers and stores the ``[64, 512]`` tile into one of two
   shared-memory buffers, with each key's validity; it also copies each later item's Q in
-  (cp.async) once the previous item's last tile is released (the softmax warpgroup loads a
-  CTA's first Q itself);
+  (TMA; cp.async where q's token rows are not contiguous) once the previous item's last tile
+  is released (the softmax warpgroup loads a CTA's first Q itself);
 * **softmax warpgroup** (the default partition): ``S = Q K^T`` (both operands in shared
   memory), the online softmax, ``P`` (bf16) and the per-row rescale factor to shared memory
   for the other warpgroup, then ``O[:, :256] += P K[:, :256]`` with ``P`` in registers;
@@ -22,20 +22,21 @@ finish one. Each ``[64, 256]`` fp32 half of the accumulator takes 128 registers 
 its warpgroup, which is why the output is split over two warpgroups (FlashMLA's decode
 kernel splits the same way). Numbers: e2m1 times its e4m3 scale and e4m3 times 2^k are exact
 in bf16, so the tiles equal the Triton kernel's; logits, softmax and accumulation are fp32.
-Outputs leave through 16-byte stores after a quad shuffle (``STORE16_PTX``).
+Outputs leave through 16-byte stores after a quad shuffle (``STORE16_PTX``); split items' fp32
+partial outputs after a swap between lane pairs (``STORE16_F32_PTX``).
 
 Small batches split a token's tiles over ``num_splits`` items (flash-decoding) and use the
 Triton kernel's combine step.
 
-Measured on the H200 (Triton 3.6; ``benchmarks/README.md``, run 6): 64 heads, 128 window + 512
-top-k keys, T=256: 76.5 us, 281 TFLOP/s, 36 % of the measured bf16 matmul rate (the Triton
-kernel: 123 us). Per-tile clock stamps (``gluon_decode(timing=...)``): a tile takes ~4350
-cycles; the producer needs ~3300 of them to decode and store it plus ~800 to get its loads
-out, and the softmax warpgroup waits ~1150 per tile for it (its own chain: S 1200, softmax
-950, PV 1000). 7 % fewer producer instructions changed nothing: it waits on memory, not on
-issue slots. Per item ~15000 of ~60000 cycles are the hand-over between items, mostly
-memory latency: the next Q (64 KB by cp.async: ~12000 cycles from issue to landing) and the
-first window tile's block-id and record loads. Things that did not work, and why:
+Measured on the H200 (Triton 3.6; ``benchmarks/README.md``, run 7): 64 heads, 128 window + 512
+top-k keys, T=256: 64.1 us, 335 TFLOP/s, 42 % of the measured bf16 matmul rate (the Triton
+kernel: 124 us). Bounds from variants of this kernel (same process, T=256): the consumers alone
+(the producer publishes tiles without loading or storing them) take 45.9 us, the producer alone
+(no wgmma) 51.7 us, both together 64 us: neither side reaches 60 % by itself, and they overlap
+poorly through the two tile buffers. ncu on the producer's compressed-tile loop: ~0.25
+instructions per cycle, its stall samples split between issuing (24 %), fixed-latency
+dependencies (20 %), waiting for 16-byte shared stores to release their registers (18 %) and
+global loads (14 %). Things that did not work, and why:
 
 * a second producer warpgroup (16 warps): ptxas compiles every partition, the default one
   included, against the kernel-wide register limit (65536 / 512 threads = 128), and an
@@ -47,7 +48,15 @@ first window tile's block-id and record loads. Things that did not work, and why
 * fetching the next item's metadata, block ids and entries during the current item: the
   steady-state tiles got ~20 % slower (loads held across the tile loop), not kept;
 * Q copied by the softmax warpgroup itself (cp.async): its wgmma descriptors left the
-  uniform registers (recomputed per k-step, 17 spills per tile); the producer copies it.
+  uniform registers (recomputed per k-step, 17 spills per tile); the producer copies it;
+* releasing Q after the item's last S (a barrier of its own, not the last tile's release) and
+  issuing the next Q behind the first tile's loads: 4-6 % slower (graph replay and ncu agree),
+  although the clock stamps showed 17 % shorter items; the stamps change the schedule, so
+  compare variants by their untimed time;
+* keys on the producer's low lanes, so that a quarter-warp's 16-byte stores hit 8 different
+  bank groups: ncu counted no excess shared wavefronts any more (18 % of them before), and the
+  kernel was 7-9 % slower;
+* decoding a tile's first chunk before waiting for its buffer: 14 % slower (spills).
 
 Triton 3.6 puts a ``convert_layout``'s scratch buffer where the warp-specialised partitions
 read their captured arguments; a conversion in one partition corrupted another's loop bound
@@ -194,11 +203,37 @@ setp.ne.s32 pm, $6, 0;
 mov.b32 $0, 0;
 }"""
 
+# Split (partial) outputs are fp32: a thread's 2 adjacent columns of a group are 8 bytes, so
+# lane pairs (l, l ^ 1) swap one pair of two groups A, B: the even lane then holds 4 adjacent
+# columns of A, the odd lane 4 of B, one 16-byte store each (was two 8-byte ones).
+# In: $1, $2 = columns 2 q, 2 q + 1 of group A; $3, $4 = the same of group B (q = lane % 4);
+# $5 = the address of its 16 bytes (columns 2 q of A if q is even, 2 q - 2 of B if odd);
+# $6 = store or not.
+STORE16_F32_PTX = """{
+.reg .b32 lq, s0, s1, r0, r1, w0, w1, w2, w3;
+.reg .pred odd, pm;
+mov.u32 lq, %laneid;
+and.b32 lq, lq, 1;
+setp.ne.u32 odd, lq, 0;
+selp.b32 s0, $1, $3, odd;
+selp.b32 s1, $2, $4, odd;
+shfl.sync.bfly.b32 r0, s0, 1, 0x1f, 0xffffffff;
+shfl.sync.bfly.b32 r1, s1, 1, 0x1f, 0xffffffff;
+selp.b32 w0, r0, $1, odd;
+selp.b32 w1, r1, $2, odd;
+selp.b32 w2, $3, r0, odd;
+selp.b32 w3, $4, r1, odd;
+setp.ne.s32 pm, $6, 0;
+@pm st.global.v4.b32 [$5], {w0, w1, w2, w3};
+mov.b32 $0, 0;
+}"""
+
 if GLUON_AVAILABLE:
     _FP4_WORD_PTX = gl.constexpr(FP4_WORD_PTX)
     _FP4_SCALE_PTX = gl.constexpr(FP4_SCALE_PTX)
     _FP8_WORD_PTX = gl.constexpr(FP8_WORD_PTX)
     _STORE16_PTX = gl.constexpr(STORE16_PTX)
+    _STORE16_F32_PTX = gl.constexpr(STORE16_F32_PTX)
 
     @gluon.jit
     def _stamp(dbg_ptr, ev, it, item, NT: gl.constexpr, GLOBAL: gl.constexpr = False):
@@ -612,14 +647,11 @@ if GLUON_AVAILABLE:
                 m_i, l_i, acc = _softmax_step(s, it, g, item, m_i, l_i, acc, k_s, ok_s, p_s, a_s, k_free,
                                               p_ready, p_free, qk_scale, dbg_ptr, DBG_NT)
                 g += 1
-            rows = h0 + gl.arange(0, 64, layout=RO)
-            cols = gl.arange(0, 256, layout=gl.SliceLayout(0, MO))
             if PARTIAL:
                 prow = (split.to(gl.int64) * T + t) * H_PAD + hr
                 gl.store(part_m_ptr + prow, m_i)
                 gl.store(part_l_ptr + prow, l_i)
-                arow = (split.to(gl.int64) * T + t) * H_PAD + rows
-                gl.store(part_acc_ptr + arow[:, None] * 512 + cols[None, :], acc)
+                _store_partial_half(acc, part_acc_ptr, (split.to(gl.int64) * T + t) * H_PAD + h0, 0)
             else:
                 mbarrier.wait(l_free, (n_done & 1) ^ 1)  # the other warpgroup read the last l
                 l_s.store(l_i)
@@ -657,11 +689,8 @@ if GLUON_AVAILABLE:
                 mbarrier.arrive(p_free, count=1)
                 mbarrier.arrive(k_free.index(b), count=1)
                 g += 1
-            rows = h0 + gl.arange(0, 64, layout=RO)
-            cols = 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, MO))
             if PARTIAL:
-                arow = (split.to(gl.int64) * T + t) * H_PAD + rows
-                gl.store(part_acc_ptr + arow[:, None] * 512 + cols[None, :], acc)
+                _store_partial_half(acc, part_acc_ptr, (split.to(gl.int64) * T + t) * H_PAD + h0, 256)
             else:
                 mbarrier.wait(fin, n_done & 1)
                 l_i = l_s.load(RO)
@@ -692,6 +721,26 @@ if GLUON_AVAILABLE:
         ok = gl.where(r < H, 1, 0)[:, None, None] + gl.zeros([64, 8, 4], gl.int32, L)
         gl.inline_asm_elementwise(_STORE16_PTX, "=r,r,r,r,r,l,r", [w0, w1, w2, w3, addr, ok], dtype=gl.int32,
                                   is_pure=False, pack=1)
+
+    @gluon.jit
+    def _store_partial_half(acc, part_acc_ptr, arow0, COL0: gl.constexpr):
+        """``acc`` (fp32 ``[64, 256]``, wgmma accumulator layout) -> rows ``arow0 ..`` + 63 of
+        the partial accumulator ``[*, 512]``, columns ``COL0 .. COL0 + 255``, 16 bytes per store."""
+        x = gl.reshape(acc.to(gl.int32, bitcast=True), [64, 16, 2, 4, 2])  # column 16 m + 8 ab + 2 q + e
+        x0, x1 = gl.split(gl.permute(x, [0, 1, 3, 2, 4]))  # [row, m, q, ab] for e = 0, 1
+        a0, b0 = gl.split(x0)
+        a1, b1 = gl.split(x1)
+        L: gl.constexpr = a0.type.layout
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+        # after the swap: even lanes columns 2 q .. + 3 of group 2 m, odd lanes 2 q - 2 .. of 2 m + 1
+        col = COL0 + 16 * m[None, :, None] + 2 * q[None, None, :] + 6 * (q[None, None, :] & 1)
+        row_ptr = part_acc_ptr + (arow0 + r.to(gl.int64)) * 512
+        addr = (row_ptr[:, None, None] + col).to(gl.int64, bitcast=True)
+        ok = gl.full([64, 16, 4], 1, gl.int32, L)
+        gl.inline_asm_elementwise(_STORE16_F32_PTX, "=r,r,r,r,r,l,r", [a0, a1, b0, b1, addr, ok],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
     # ------------------------------------------------------------------ kernel
     @gluon.jit
