@@ -172,7 +172,9 @@ def tile_timing(num_reqs: int = 256, ratio: int = 2, reps: int = 3) -> dict[str,
     """Median SM cycles of the Gluon kernel's stages, from its ``%clock64`` stamps
     (``gluon_decode(timing=...)``; see its docstring for the events). Per tile: tiles 3-6 of
     every item, the steady state between the window tiles and the last tile. Per item: the
-    items a program takes after its first (where one item's end meets the next one's start)."""
+    items a program takes after its first (where one item's end meets the next one's start),
+    and a program's first. The stamps are stores that change the schedule: they locate where
+    time goes, but two kernel variants are compared by their untimed times (``run``)."""
     import deepinfer_vllm.ops.triton.sparse_mla_decode as smd
 
     q, args = make_inputs(num_reqs, 1, ratio)
@@ -204,10 +206,15 @@ def tile_timing(num_reqs: int = 256, ratio: int = 2, reps: int = 3) -> dict[str,
         "PV, second half": med(b[:, 11, j] - b[:, 10, j]),
         "producer: wait for a free buffer": med(b[:, 2, j] - b[:, 0, j]),
         "producer: decode and store a tile": med(b[:, 1, j] - b[:, 2, j]),
+        "item (a program's first)": med(b[:programs, 13, 0] - b[:programs, 12, 0]),
+        "first item start -> its first tile ready": med(b[:programs, 4, 0] - b[:programs, 12, 0]),
         "item (after a program's first)": med(later[:, 13, 0] - later[:, 12, 0]),
         "item start -> its Q has landed": med(later[:, 9, 0] - later[:, 12, 0]),
         "Q landed -> first tile ready": med(later[:, 4, 0] - later[:, 9, 0]),
         "epilogue (last PV -> item end)": med(later[:, 13, 0] - later[:, 8, -1]),
+        "first items' start spread (global), ns": (b[:programs, 14, 0].max()
+                                                     - b[:programs, 14, 0].min()).item(),
+        "kernel span, first start -> last end (global), ns": (b[:, 15, 0].max() - b[:, 14, 0].min()).item(),
         "SM clock, GHz": med((later[:, 13, 0] - later[:, 12, 0]) / (later[:, 15, 0] - later[:, 14, 0])),
     }
 
@@ -219,7 +226,8 @@ if __name__ == "__main__":
         raise SystemExit("needs a CUDA device")
     if "--timing" in sys.argv:  # per-stage cycles of the Gluon kernel instead of the table
         for name, value in tile_timing().items():
-            print(f"{name:36s} {value:9.2f}" if "GHz" in name else f"{name:36s} {value:9.0f} cycles")
+            unit = "" if "GHz" in name or "ns" in name else " cycles"
+            print(f"{name:50s} {value:9.2f}" if "GHz" in name else f"{name:50s} {value:9.0f}{unit}")
         raise SystemExit(0)
     c = measure_ceilings()
     print(f"ceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, "
