@@ -611,7 +611,7 @@ if GLUON_AVAILABLE:
         RS: gl.constexpr = gl.SliceLayout(1, MS)
         RO: gl.constexpr = gl.SliceLayout(1, MO)
         # the first item's Q: loaded here while the producer starts on its tiles (later items'
-        # come in by cp.async from the producer, behind the item before). Not for an item
+        # come in by TMA or cp.async from the producer, behind the item before). Not for an item
         # without tiles: the producer may then copy the next item's Q in at once.
         n_first = _item_info(pid, pos_ptr, lo_ptr, req_ptr, num_splits, HB, W, NW, NT, PARTIAL)[7]
         if n_first > 0:
