@@ -35,8 +35,8 @@ kernel: 124 us). Bounds from variants of this kernel (same process, T=256): the 
 (no wgmma) 51.7 us, both together 64 us: neither side reaches 60 % by itself, and they overlap
 poorly through the two tile buffers. ncu on the producer's compressed-tile loop: ~0.25
 instructions per cycle, its stall samples split between issuing (24 %), fixed-latency
-dependencies (20 %), waiting for 16-byte shared stores to release their registers (18 %) and
-global loads (14 %). Things that did not work, and why:
+dependencies (20 %), short-scoreboard waits (18 %, the hottest on registers that 16-byte shared
+stores are still reading) and global loads (14 %). Things that did not work, and why:
 
 * a second producer warpgroup (16 warps): ptxas compiles every partition, the default one
   included, against the kernel-wide register limit (65536 / 512 threads = 128), and an
