@@ -78,6 +78,7 @@ SCORE_VARIANTS = [
     ("gluon stages=6", dict(stages=6)),
     ("gluon tiles=8", dict(tiles=8)),
     ("gluon tiles=64", dict(tiles=64)),
+    ("gluon fp8 wgmma (mode 5)", dict(mode=5)),
 ]
 VARIANT_SHAPES = ((128, 32768), (256, 131072))
 

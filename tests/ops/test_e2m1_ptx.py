@@ -52,3 +52,22 @@ def test_pairs_ptx():
                 code = ((byte >> nib) & 0xF).to(torch.uint8)
                 want = _f16_bits(e2m1_decode(code).double() * factor / 64)
                 assert torch.equal((out >> (16 * half)) & 0xFFFF, want), (f, shift, nib, half)
+
+
+def test_e4m3_lookup_ptx():
+    """Four record bytes (eight codes) per register: every code of every byte pattern times
+    2^(6 - d), d = 0..31, equals torch's round-to-nearest-even e4m3 of the exact product."""
+    tables = e2m1.e4m3_lookup_tables().to(torch.int64) & 0xFFFFFFFF
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.arange(1 << 16, dtype=torch.int64),  # every pattern of bytes 0-1 ...
+                   torch.arange(1 << 16, dtype=torch.int64) << 16,  # ... and of bytes 2-3
+                   torch.randint(0, 1 << 32, (1 << 12,), generator=g, dtype=torch.int64)])
+    for d in range(e2m1.E4M3_TABLE_SHIFTS.value):
+        lo, hi = tables[d, 0].view(1), tables[d, 1].view(1)
+        outs = run_ptx(e2m1.E4M3_LOOKUP_PTX.value, 2, [x, lo, lo, lo, lo, hi, hi, hi, hi])
+        for n in range(8):
+            code = ((x >> (4 * n)) & 0xF).to(torch.uint8)
+            want = (e2m1_decode(code).double() * 2.0 ** (6 - d)).to(torch.float32)
+            want = want.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+            got = (outs[n // 4] >> (8 * (n % 4))) & 0xFF
+            assert torch.equal(got, want), (d, n)

@@ -116,3 +116,46 @@ def e2m1_quads_f16(words, f, ASM: tl.constexpr):
         c2 = _times_f((x >> 8) & 15, f32)
         c3 = _times_f(x >> 12, f32)
     return c0, c1, c2, c3
+
+
+# --------------------------------------------------------------------------- e2m1 -> e4m3
+# For fp8 tensor cores the codes need not be widened at all: every e2m1 value times a power
+# of two in [2^-8, 2^6] is an e4m3 number. A code's magnitude (3 bits) picks a byte of an
+# 8-byte table with ``prmt`` (the table is the 8 magnitudes, already times the block's power
+# of two), and its sign bit is moved onto the byte's bit 7 by a second ``prmt``.
+# In: $2 = 4 record bytes (codes 0-7, code n = bits 4n..4n+3); $3 / $7 = table bytes 0-3 /
+# 4-7 ($4-$6, $8-$10: the same values again, as ``pack=4`` passes them). Out: $0 = e4m3 of
+# codes 0-3, $1 = codes 4-7. 9 instructions per 8 codes (the fp16 path: 18).
+E4M3_LOOKUP_PTX = tl.constexpr("""{
+.reg .b32 x, x4, xm, s1, m0, m1, z0, z1;
+mov.b32 x, $2;
+shl.b32 x4, x, 4;
+and.b32 xm, x, 0x77777777;
+shr.b32 s1, xm, 16;
+prmt.b32 m0, $3, $7, xm;
+prmt.b32 m1, $3, $7, s1;
+prmt.b32 z0, x4, x, 0x5140;
+prmt.b32 z1, x4, x, 0x7362;
+and.b32 z0, z0, 0x80808080;
+and.b32 z1, z1, 0x80808080;
+or.b32 $0, z0, m0;
+or.b32 $1, z1, m1;
+}""")
+
+E4M3_TABLE_SHIFTS = tl.constexpr(32)  # tables for block exponents 0 .. 31 below the key's largest
+
+
+def e4m3_lookup_tables(device=None, boost: int = 6):
+    """``[E4M3_TABLE_SHIFTS, 2]`` int32 on ``device``: row ``d`` holds the e4m3 bytes of the 8
+    e2m1 magnitudes times ``2^(boost - d)`` (round to nearest even, so exact for ``d <= boost +
+    8``), little-endian, magnitude ``m`` in byte ``m``. Built by device ops only (no host copy,
+    so a first call under CUDA-graph capture or sync checks is safe)."""
+    import torch
+
+    m = torch.arange(8, device=device)
+    e, frac = (m >> 1).float(), (m & 1).float()
+    mags = torch.where(e == 0, 0.5 * frac, (1 + 0.5 * frac) * torch.exp2(e - 1))
+    d = torch.arange(E4M3_TABLE_SHIFTS.value, device=device).float()
+    vals = mags[None, :] * torch.exp2(boost - d)[:, None]
+    b = vals.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)  # all < 0x80: positive
+    return b[:, 0::4] | (b[:, 1::4] << 8) | (b[:, 2::4] << 16) | (b[:, 3::4] << 24)

@@ -12,11 +12,25 @@ cores (M = keys, N = heads), then ReLU, the head weights and the head sum in fp3
 rounds the score once to the model dtype (returned as fp32). Keys are decoded in registers;
 ``mode`` picks how:
 
+* 5 (opt-in; sm90 with Gluon): the Gluon kernel on fp8 tensor cores. The query is MXFP4 too
+  (spec 6.6), so with each key's and each head's largest block scale factored out (applied
+  after the head sum) both operands are exact e4m3 numbers (blocks down to 14 binades below
+  the largest; smaller ones round) and need no widening: a code's magnitude picks its e4m3
+  byte from a per-block 8-byte table (``prmt``) and its sign is moved onto bit 7
+  (``e2m1.E4M3_LOOKUP_PTX``, 9 instructions per 8 codes instead of 18). The products are
+  exact; Hopper's fp8 wgmma keeps only ~13 bits of its running sums, so the scores carry an
+  error up to ~2^-14 of ``sum_h |w_h| sum_k |q_hk k_jk|`` (1-2 % of the bf16 scores differ
+  from mode 4's by one step; top-512 selections agree on >= 99.99 % of indices). DeepGEMM's
+  fp8 MQA-logits kernels for DeepSeek-V3.2's indexer use the same fp8 wgmma. B=256 x 131072
+  keys: 0.94 ms, 61 % of copy (mode 4: 1.20 ms), and faster than modes 3/4 on short rows and
+  candidate blocks too (benchmarks/README.md, run 8). It is meant to become the default on
+  sm90 for every launch (one arithmetic whatever the batch) once the whole GPU suite has
+  passed with it as the default.
 * 4 (default for large dense launches on sm90 with Gluon): mode 3's arithmetic as a Gluon
   kernel (``ops/triton/indexer_gluon.py``): a cp.async ring, explicit layouts, each thread's
-  A fragment read as 16 contiguous bytes. 5 % faster than mode 3 at B=256 x 131072 keys
-  (47 % of copy), slower on short rows and candidate blocks.
-* 3 (default otherwise for bf16/fp16 queries): fp16 wgmma on exactly converted operands. Each key is
+  A fragment read as 16 contiguous bytes; fp32-exact sums like mode 3. 5 % faster than mode 3
+  at B=256 x 131072 keys (47 % of copy), slower on short rows and candidate blocks.
+* 3 (default for bf16/fp16 queries off sm90): fp16 wgmma on exactly converted operands. Each key is
   split into its largest block scale ``2^(emax - 127)`` and the fp16 values ``e2m1 *
   2^-(emax - e_b)`` (exact down to 30 binades below ``emax``; smaller blocks are below an
   fp32 sum's rounding anyway). The codes are decoded with a few integer ops per 4 bytes
@@ -53,8 +67,7 @@ loads became per-element cp.async, 2.0 ms) and ``tl.range(warp_specialize=True)`
 code came out unchanged). The kernel stays bound by
 instruction issue (the decode alone is ~270 instructions per key) and latency: the rest of
 the way to the copy ceiling needs warp-specialised producer/consumer code (Gluon or CUDA).
-Rejected: fp8 wgmma (Hopper's fp8 tensor cores accumulate with too few bits for the fp32
-bound) and int8 codes (4 int32 accumulators per (key, head) to convert and scale).
+Rejected: int8 codes (4 int32 accumulators per (key, head) to convert and scale).
 Tokens of the same request (prefill chunks, speculative verification) re-read the same
 keys: grouping a request's tokens into the N dimension would decode each key once per
 group (not done here).
@@ -85,7 +98,7 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DEFAULT_MODE = 3
 DEFAULT_PREFETCH = 1
 _FAILED: dict[int | str, bool] = {}
-_FALLBACK = {4: 3, 3: 0, 0: 1}  # the next decode to try when one fails to compile
+_FALLBACK = {5: 3, 4: 3, 3: 0, 0: 1}  # the next decode to try when one fails to compile
 
 
 @triton.jit
@@ -425,24 +438,27 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
         # Gluon for large dense launches only (>= 128 tiles of 64 keys per program at 4 programs
         # per SM): there it is 5 % faster; on short rows its per-program set-up costs more, and
         # its per-key address path is slower for candidate blocks (benchmarks/README.md, run 4).
+        # Mode 5 is opt-in until the whole GPU suite has run with it as the default (run 8).
         big = T * triton.cdiv(n_cols, 64) >= 128 * 4 * _num_sms(q.device)
         mode = 2 if q.dtype == torch.float32 else (4 if gluon_ok and cand is None and big else DEFAULT_MODE)
-    if mode not in (0, 1, 2, 3, 4):
-        raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16), 2 (fp32), 3 (fp16) or 4 (Gluon), got {mode}")
-    if mode == 4 and not gluon_ok:
-        raise ValueError("mode 4 (Gluon) needs an sm90 GPU, Gluon, bf16/fp16 q with D = 128 and "
+    if mode not in (0, 1, 2, 3, 4, 5):
+        raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16), 2 (fp32), 3 (fp16), 4 (Gluon) or "
+                         f"5 (Gluon, fp8), got {mode}")
+    if mode in (4, 5) and not gluon_ok:
+        raise ValueError(f"mode {mode} (Gluon) needs an sm90 GPU, Gluon, bf16/fp16 q with D = 128 and "
                          "16-byte aligned pages of a power-of-two number of records")
     while _FAILED.get(mode) and q.is_cuda and mode in _FALLBACK:
         mode = _FALLBACK[mode]
-    if mode == 4:
+    if mode in (4, 5):
         try:
             return gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand,
                                       cand_block, n_cols, _ROUND[out_dtype], out, tiles=tiles,
-                                      stages=stages or 4, num_sms=_num_sms(q.device), maxnreg=maxnreg)
+                                      stages=stages or 4, num_sms=_num_sms(q.device), maxnreg=maxnreg,
+                                      fp8=mode == 5)
         except Exception as exc:  # pragma: no cover - a Triton whose Gluon cannot lower the kernel
-            if asked == 4:
+            if asked in (4, 5):
                 raise
-            _FAILED[4] = True
+            _FAILED[mode] = True
             warnings.warn(f"indexer scores: the Gluon kernel failed to compile ({type(exc).__name__}: {exc}); "
                           "falling back to mode 3")
             mode = 3

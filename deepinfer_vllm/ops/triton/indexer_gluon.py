@@ -24,6 +24,13 @@ copy bandwidth (mode 3: 1.27 ms). Program length matters (2048 keys per program:
 blocks are faster in mode 3, so ``indexer._launch`` picks this kernel for large dense
 launches only, and falls back to mode 3 if it does not compile.
 
+``FP8`` (mode 5) runs the same ring and epilogue on fp8 tensor cores: a thread's 16 record
+bytes (one ``LDS.128``) become e4m3 bytes by a table lookup (``e2m1.E4M3_LOOKUP_PTX``; the
+table of its block's exponent below the key's largest comes from a 256-byte array), Q^T is
+stored as e4m3 ``[H, 128]`` (K-major, as fp8 wgmma wants) and the K order is permuted to
+match (``_q_perm_dims_fp8``); the join of the two decode halves reaches the A fragment by a
+register renaming only. Offline sm90: 274 instructions per warp and tile (fp16 path: 341).
+
 Only ``D = 128`` (four scale blocks, one per lane of a quad), up to 256 heads, pages of a
 power-of-two number (>= 4) of records, 16-byte aligned.
 """
@@ -33,7 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from deepinfer_vllm.ops.triton.e2m1 import QUADS_PTX
+from deepinfer_vllm.ops.triton.e2m1 import E4M3_LOOKUP_PTX, E4M3_TABLE_SHIFTS, QUADS_PTX, e4m3_lookup_tables
 
 try:  # Gluon ships with Triton >= 3.5; its Hopper API is what this file targets (3.6)
     from triton.experimental import gluon
@@ -70,6 +77,14 @@ if GLUON_AVAILABLE:
         return gl.inline_asm_elementwise(
             QUADS_PTX, "=r,=r,=r,=r,r,r", [words, f],
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2,
+        )
+
+    @gluon.jit
+    def _decode_e4m3(byts, tlo, thi):
+        """Codes 0-3 / 4-7 of every 4 record bytes as e4m3 bytes (``E4M3_LOOKUP_PTX``)."""
+        return gl.inline_asm_elementwise(
+            E4M3_LOOKUP_PTX, "=r,=r,r,r,r,r,r,r,r,r,r", [byts, tlo, thi],
+            dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4,
         )
 
     @gluon.jit
@@ -149,10 +164,10 @@ if GLUON_AVAILABLE:
         bt_ptr, stride_bt,
         req_ptr, vis_ptr,
         cand_ptr, stride_cand,
-        out_ptr, stride_out, n_cols,
+        out_ptr, stride_out, n_cols, tab_ptr,
         H: gl.constexpr, HP: gl.constexpr, PAGE_N: gl.constexpr,
         TILES: gl.constexpr, STAGES: gl.constexpr, CB: gl.constexpr,
-        SPARSE: gl.constexpr, ROUND: gl.constexpr, SROWS: gl.constexpr,
+        SPARSE: gl.constexpr, ROUND: gl.constexpr, SROWS: gl.constexpr, FP8: gl.constexpr,
     ):
         BM: gl.constexpr = 64  # keys per tile: one wgmma M block of the 4 warps
         LOG2_PAGE: gl.constexpr = PAGE_N.bit_length() - 1
@@ -164,9 +179,17 @@ if GLUON_AVAILABLE:
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BM, 4, 8])
         FL: gl.constexpr = gl.SliceLayout(2, WL)  # [key, block]: one factor per thread and key
         RL: gl.constexpr = gl.SliceLayout(1, FL)  # [key]: per key, replicated over the quad
+        KS: gl.constexpr = 32 if FP8 else 16  # the wgmma's K step
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, HP, 16])
+                                                      instr_shape=[16, HP, KS])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        AL8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+        # BL (fp8): the record bytes of a tile as [key, block c, byte j]; thread (warp w, lane l)
+        # holds keys 16 w + l // 4 (+ 8), block c = l % 4, its 16 bytes (one LDS.128)
+        BL: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BM, 4, 16])
         SR: gl.constexpr = gl.SliceLayout(1, MMA)  # one score per key
         CL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])  # value copies
         SCP: gl.constexpr = gl.BlockedLayout([1, SROWS], [32, 1], [4, 1], [1, 0])  # scale-word copies
@@ -193,19 +216,31 @@ if GLUON_AVAILABLE:
             bt_row = bt_ptr + req * stride_bt
             # Q^T with its rows in the decode's K order, each head divided by the power of two
             # p_h <= max |q_h| (exact: MXFP4 values carry 2 significant bits), p_h into w.
-            kap = gl.arange(0, 128, layout=gl.SliceLayout(1, QBL))
-            hh = gl.arange(0, HP, layout=gl.SliceLayout(0, QBL))
-            dims = _q_perm_dims(kap)
-            qv = gl.load(q_ptr + t * stride_qt + hh[None, :] * stride_qh + dims[:, None],
-                         mask=(hh < H)[None, :], other=0.0).to(gl.float32)
-            amax = gl.max(gl.abs(qv), 0)
-            pbits = gl.where(amax >= 1.1754943508222875e-38,
-                             gl.minimum(amax.to(gl.int32, bitcast=True) & 0x7F800000, 253 << 23), 127 << 23)
-            inv = ((254 << 23) - pbits).to(gl.float32, bitcast=True)
-            q_s = gl.allocate_shared_memory(gl.float16, [128, HP], QSL, (qv * inv[None, :]).to(gl.float16))
+            if FP8:  # Q^T as e4m3 [HP, 128] (K-major, as fp8 wgmma wants), times 2^6 more
+                QBL8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+                QSL8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 128], gl.float8e4nv)
+                kap8 = gl.arange(0, 128, layout=gl.SliceLayout(0, QBL8))
+                hh8 = gl.arange(0, HP, layout=gl.SliceLayout(1, QBL8))
+                qv8 = gl.load(q_ptr + t * stride_qt + hh8[:, None] * stride_qh + _q_perm_dims_fp8(kap8)[None, :],
+                              mask=(hh8 < H)[:, None], other=0.0).to(gl.float32)
+                pbits = _pow2_floor_bits(gl.max(gl.abs(qv8), 1))
+                inv8 = ((254 << 23) - pbits).to(gl.float32, bitcast=True) * 64.0
+                q8_s = gl.allocate_shared_memory(gl.float8e4nv, [HP, 128], QSL8,
+                                                 (qv8 * inv8[:, None]).to(gl.float8e4nv))
+                w_boost = 1.0 / 4096  # the 2^6 of the keys' tables and the 2^6 of Q
+            else:
+                kap = gl.arange(0, 128, layout=gl.SliceLayout(1, QBL))
+                hh = gl.arange(0, HP, layout=gl.SliceLayout(0, QBL))
+                dims = _q_perm_dims(kap)
+                qv = gl.load(q_ptr + t * stride_qt + hh[None, :] * stride_qh + dims[:, None],
+                             mask=(hh < H)[None, :], other=0.0).to(gl.float32)
+                pbits = _pow2_floor_bits(gl.max(gl.abs(qv), 0))
+                inv = ((254 << 23) - pbits).to(gl.float32, bitcast=True)
+                q_s = gl.allocate_shared_memory(gl.float16, [128, HP], QSL, (qv * inv[None, :]).to(gl.float16))
+                w_boost = 1.0
             hw = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
             w = gl.load(w_ptr + t * stride_wt + hw, mask=hw < H, other=0.0).to(gl.float32)
-            w = w * gl.convert_layout(pbits, gl.SliceLayout(0, MMA)).to(gl.float32, bitcast=True)
+            w = w * gl.convert_layout(pbits, gl.SliceLayout(0, MMA)).to(gl.float32, bitcast=True) * w_boost
             fence_async_shared()
 
             vals_s = gl.allocate_shared_memory(gl.int16, [STAGES, BM, 4, 8], VSL)
@@ -240,16 +275,33 @@ if GLUON_AVAILABLE:
                 sw = scl_s.index(stage).reshape([BM]).load(RL)
                 e = (sw[:, None] >> (cidx * 8)[None, :]) & 255
                 emax = gl.max(e, 1)
-                fb = _pow2_f16_bits(emax[:, None] - e).to(gl.int16).to(gl.float16, bitcast=True)
-                words = vals_s.index(stage).load(WL)
-                o0, o1, o2, o3 = _decode(words, gl.expand_dims(fb, 2))
-                # plane n of word r = 4 p1 + 2 p0 + e0 of block c is K index
-                # 64 s + 32 i + 16 p1 + 8 p0 + 2 c + e0 with n = 2 s + i (see _q_perm_dims)
-                a = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [BM, c, r, i, s]
-                a = gl.reshape(a, [BM, 4, 2, 2, 2, 2, 2])  # [BM, c, p1, p0, e0, i, s]
-                a = gl.permute(a, [0, 6, 5, 2, 3, 1, 4])
-                a = gl.convert_layout(gl.reshape(a, [BM, 128]), AL, assert_trivial=True)
-                acc = warpgroup_mma(a, q_s, acc0, use_acc=False)
+                if FP8:
+                    # the block's table: its 8 magnitudes times 2^(6 - (emax - e)), as e4m3
+                    dsh = gl.convert_layout(gl.minimum(emax[:, None] - e, E4M3_TABLE_SHIFTS - 1),
+                                            gl.SliceLayout(2, BL))
+                    tlo = gl.expand_dims(gl.load(tab_ptr + dsh * 2), 2)
+                    thi = gl.expand_dims(gl.load(tab_ptr + dsh * 2 + 1), 2)
+                    byts = vals_s.index(stage)._reinterpret(gl.uint8, [BM, 4, 16], VSL).load(BL)
+                    ea, eb = _decode_e4m3(byts, tlo, thi)
+                    # code 8 m + 4 t + b of block c (byte j = 4 m + b) is K index
+                    # 64 m1 + 32 m0 + 16 t + 4 c + b with m = 2 m1 + m0 (see _q_perm_dims_fp8)
+                    a8 = gl.join(ea, eb)  # [BM, c, j, t]
+                    a8 = gl.reshape(a8, [BM, 4, 2, 2, 4, 2])  # [BM, c, m1, m0, b, t]
+                    a8 = gl.permute(a8, [0, 2, 3, 5, 1, 4])
+                    # the same registers in the A fragment's order (a renaming, no data moves)
+                    a8 = gl.convert_layout(gl.reshape(a8, [BM, 128]), AL8)
+                    acc = warpgroup_mma(a8, q8_s.permute([1, 0]), acc0, use_acc=False)
+                else:
+                    fb = _pow2_f16_bits(emax[:, None] - e).to(gl.int16).to(gl.float16, bitcast=True)
+                    words = vals_s.index(stage).load(WL)
+                    o0, o1, o2, o3 = _decode(words, gl.expand_dims(fb, 2))
+                    # plane n of word r = 4 p1 + 2 p0 + e0 of block c is K index
+                    # 64 s + 32 i + 16 p1 + 8 p0 + 2 c + e0 with n = 2 s + i (see _q_perm_dims)
+                    a = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [BM, c, r, i, s]
+                    a = gl.reshape(a, [BM, 4, 2, 2, 2, 2, 2])  # [BM, c, p1, p0, e0, i, s]
+                    a = gl.permute(a, [0, 6, 5, 2, 3, 1, 4])
+                    a = gl.convert_layout(gl.reshape(a, [BM, 128]), AL, assert_trivial=True)
+                    acc = warpgroup_mma(a, q_s, acc0, use_acc=False)
                 score = gl.sum(gl.maximum(acc, 0.0) * w[None, :], 1)
                 em = gl.convert_layout(emax, SR)
                 score = score * gl.where(em > 0, em << 23, 1 << 22).to(gl.float32, bitcast=True)
@@ -258,6 +310,22 @@ if GLUON_AVAILABLE:
                 score = gl.where(vs, _round_out(score, ROUND), float("-inf"))
                 gl.store(out_row + c, score, mask=c < n_cols)
             async_copy.wait_group(0)
+
+    @gluon.jit
+    def _q_perm_dims_fp8(kap):
+        """Record dim behind K index ``kap`` of the fp8 tile: ``kap = 64 m1 + 32 m0 + 16 t +
+        4 c + b`` is code ``8 m + 4 t + b`` (``m = 2 m1 + m0``) of block ``c``."""
+        b = kap & 3
+        c = (kap >> 2) & 3
+        t = (kap >> 4) & 1
+        m = (kap >> 5) & 3
+        return 32 * c + 8 * m + 4 * t + b
+
+    @gluon.jit
+    def _pow2_floor_bits(amax):
+        """fp32 bits of the power of two p <= amax (1 for amax = 0; at most 2^126)."""
+        return gl.where(amax >= 1.1754943508222875e-38,
+                        gl.minimum(amax.to(gl.int32, bitcast=True) & 0x7F800000, 253 << 23), 127 << 23)
 
     @gluon.jit
     def _q_perm_dims(kap):
@@ -272,10 +340,20 @@ if GLUON_AVAILABLE:
         return 4 * (8 * c + 4 * p1 + 2 * p0 + e0) + 2 * s + i
 
 
+_TABLES: dict = {}
+
+
+def _e4m3_tables(device: torch.device) -> torch.Tensor:
+    if device not in _TABLES:
+        _TABLES[device] = e4m3_lookup_tables(device)
+    return _TABLES[device]
+
+
 def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
-                       round_code, out, tiles=None, stages=4, num_sms=132, maxnreg=None):
+                       round_code, out, tiles=None, stages=4, num_sms=132, maxnreg=None, fp8=False):
     """Launch the kernel; inputs already checked by ``indexer._check_inputs`` and
-    ``gluon_supported``. ``round_code``: 0 fp32, 1 bf16, 2 fp16 scores."""
+    ``gluon_supported``. ``round_code``: 0 fp32, 1 bf16, 2 fp16 scores. ``fp8``: e4m3
+    operands and fp8 wgmma (mode 5) instead of fp16 ones (mode 4)."""
     T, H, D = q.shape
     BM = 64
     if tiles is None:
@@ -293,8 +371,9 @@ def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_
         q, q.stride(0), q.stride(1), w, w.stride(0),
         index_cache, index_cache.stride(0), block_table, block_table.stride(0),
         token_req, visible, cptr, cptr.stride(0), out, out.stride(0), n_cols,
+        _e4m3_tables(q.device) if fp8 else out,
         H=H, HP=max(16, triton.next_power_of_2(H)), PAGE_N=page_n, TILES=tiles, STAGES=stages,
-        CB=cand_block if sparse else 1, SPARSE=sparse, ROUND=round_code, SROWS=srows, num_warps=4,
+        CB=cand_block if sparse else 1, SPARSE=sparse, ROUND=round_code, SROWS=srows, FP8=fp8, num_warps=4,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
