@@ -11,7 +11,9 @@ this run. Every main row is timed twice: the default kernel (the warp-specialise
 Gluon kernel on sm90) and the Triton kernel (``gluon=False``). After them, a sweep
 of the Triton kernel's launch configs at 128 tokens (ratio 2), and both kernels at
 64 tokens with and without flash-decoding splits. ``--timing`` prints instead where a tile's
-cycles go inside the Gluon kernel (its producer, softmax and PV warpgroups).
+cycles go inside the Gluon kernel (its producer, softmax and PV warpgroups); ``--splits`` where
+small (split) batches spend their time (decode kernel vs merge); ``--ab FILE`` this Gluon kernel
+against another copy of its file, in one process.
 """
 
 from __future__ import annotations
@@ -219,6 +221,64 @@ def tile_timing(num_reqs: int = 256, ratio: int = 2, reps: int = 3) -> dict[str,
     }
 
 
+
+SPLIT_SHAPES = ((1, 1), (4, 1), (16, 1), (32, 1), (64, 1), (32, 2))  # (requests, tokens each)
+
+
+def split_costs(ratio: int = 2) -> list[tuple[str, float, float, float]]:
+    """Where small (split) batches spend their time: the whole call, the decode kernel alone
+    (the merge skipped) and the merge alone (after an L2 flush, so a bound: in the whole call
+    the partials are L2-hot). Rows ``(shape, whole, decode, merge)`` in seconds."""
+    import deepinfer_vllm.ops.triton.sparse_mla_decode as smd
+
+    rows = []
+    merge = smd._combine
+    for num_reqs, per_req in SPLIT_SHAPES:
+        q, args = make_inputs(num_reqs, per_req, ratio)
+        out = torch.empty_like(q)
+        call = lambda: sparse_mla_decode(q, **args, config=DecodeConfig(gluon=True), out=out)  # noqa: E731
+        whole = time_s(call)
+        merge_args: list = []
+        smd._combine = lambda *a: merge_args.append(a)
+        try:
+            decode = time_s(call)
+        finally:
+            smd._combine = merge
+        merged = time_s(lambda: merge(*merge_args[0])) if merge_args else float("nan")
+        splits = merge_args[0][4] if merge_args else 1
+        rows.append((f"T={q.shape[0]} ({num_reqs} x {per_req}), {splits} splits", whole, decode, merged))
+    return rows
+
+
+def ab(path: str, ratio: int = 2) -> list[tuple[str, float, float]]:
+    """Same-process A/B of the Gluon kernel against another copy of its file (for instance
+    ``git show other-branch:deepinfer_vllm/ops/triton/sparse_mla_decode_gluon.py > /tmp/b.py``),
+    best of two rounds each, alternating, after L2 flushes. Rows ``(shape, this, other)``."""
+    import importlib.util
+
+    import deepinfer_vllm.ops.triton.sparse_mla_decode as smd
+
+    spec = importlib.util.spec_from_file_location("decode_gluon_b", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules["decode_gluon_b"] = other
+    spec.loader.exec_module(other)
+    mine = smd.gluon_decode
+    rows = []
+    for num_reqs, per_req in ((256, 1), (128, 1), (64, 2), (64, 1), (1, 1)):
+        q, args = make_inputs(num_reqs, per_req, ratio)
+        out = torch.empty_like(q)
+        best = {"this": float("inf"), "other": float("inf")}
+        for _ in range(2):
+            for name, fn in (("this", mine), ("other", other.gluon_decode)):
+                smd.gluon_decode = fn
+                try:
+                    best[name] = min(best[name], time_s(
+                        lambda: sparse_mla_decode(q, **args, config=DecodeConfig(gluon=True), out=out)))
+                finally:
+                    smd.gluon_decode = mine
+        rows.append((f"T={q.shape[0]} ({num_reqs} x {per_req})", best["this"], best["other"]))
+    return rows
+
 if __name__ == "__main__":
     from benchmarks.gpu.common import HEADER, measure_ceilings
 
@@ -228,6 +288,16 @@ if __name__ == "__main__":
         for name, value in tile_timing().items():
             unit = "" if "GHz" in name or "ns" in name else " cycles"
             print(f"{name:50s} {value:9.2f}" if "GHz" in name else f"{name:50s} {value:9.0f}{unit}")
+        raise SystemExit(0)
+    if "--splits" in sys.argv:  # small batches: whole call vs decode kernel vs merge
+        print(f"{'shape':32s} {'whole us':>9s} {'decode':>9s} {'merge':>9s}")
+        for name, whole, decode, merged in split_costs():
+            print(f"{name:32s} {whole * 1e6:9.1f} {decode * 1e6:9.1f} {merged * 1e6:9.1f}")
+        raise SystemExit(0)
+    if "--ab" in sys.argv:  # --ab FILE: this Gluon kernel against another copy of its file
+        print(f"{'shape':24s} {'this us':>9s} {'other us':>9s} {'this/other':>10s}")
+        for name, mine, theirs in ab(sys.argv[sys.argv.index("--ab") + 1]):
+            print(f"{name:24s} {mine * 1e6:9.1f} {theirs * 1e6:9.1f} {mine / theirs:10.3f}")
         raise SystemExit(0)
     c = measure_ceilings()
     print(f"ceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, "
