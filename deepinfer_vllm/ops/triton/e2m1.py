@@ -148,8 +148,8 @@ E4M3_TABLE_SHIFTS = tl.constexpr(32)  # tables for block exponents 0 .. 31 below
 def e4m3_lookup_tables(device=None, boost: int = 6):
     """``[E4M3_TABLE_SHIFTS, 2]`` int32 on ``device``: row ``d`` holds the e4m3 bytes of the 8
     e2m1 magnitudes times ``2^(boost - d)`` (round to nearest even, so exact for ``d <= boost +
-    8``), little-endian, magnitude ``m`` in byte ``m``. Built by device ops only (no host copy,
-    so a first call under CUDA-graph capture or sync checks is safe)."""
+    8``), little-endian, magnitude ``m`` in byte ``m``. Built by device ops only: no host copy,
+    so building it does not synchronise the stream."""
     import torch
 
     m = torch.arange(8, device=device)

@@ -344,7 +344,12 @@ _TABLES: dict = {}
 
 
 def _e4m3_tables(device: torch.device) -> torch.Tensor:
+    """Mode 5's lookup tables, built once per device (by device ops: no host sync)."""
     if device not in _TABLES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # inside a capture the table would only be filled when the graph replays
+            raise RuntimeError("indexer mode 5 builds its lookup tables on its first call: make one "
+                               "call outside CUDA-graph capture first (vLLM's warm-up does)")
         _TABLES[device] = e4m3_lookup_tables(device)
     return _TABLES[device]
 
