@@ -95,10 +95,8 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _round_out(x, ROUND: gl.constexpr):
-        if ROUND == 1:  # nearest bf16, ties to even (integer ops: exact)
-            b = x.to(gl.int32, bitcast=True)
-            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-            x = b.to(gl.float32, bitcast=True)
+        if ROUND == 1:  # nearest bf16, ties to even (cvt.rn.bf16.f32)
+            x = x.to(gl.bfloat16).to(gl.float32)
         elif ROUND == 2:
             x = x.to(gl.float16).to(gl.float32)
         return x
@@ -150,7 +148,9 @@ if GLUON_AVAILABLE:
         vrow = _page_base(cache_ptr, stride_blk, bv, sv * 64).to(gl.pointer_type(gl.int16))
         async_copy.async_copy_global_to_shared(vals_s.index(stage), vrow[:, None, None] + voff,
                                                mask=okv[:, None, None])
-        srow = _page_base(cache_ptr, stride_blk, bs, PAGE_N * 64 + ss * 4).to(gl.pointer_type(gl.int32))
+        # slots are multiples of SROWS: the scale words of SROWS keys are one 4 * SROWS-byte copy
+        srow = _page_base(cache_ptr, stride_blk, bs, PAGE_N * 64 + (ss // SROWS) * (SROWS * 4))
+        srow = srow.to(gl.pointer_type(gl.int32))
         kk = gl.arange(0, SROWS, layout=gl.SliceLayout(0, gl.BlockedLayout([1, SROWS], [32, 1], [4, 1], [1, 0])))
         async_copy.async_copy_global_to_shared(scl_s.index(stage), srow[:, None] + kk[None, :],
                                                mask=oks[:, None])
@@ -279,8 +279,9 @@ if GLUON_AVAILABLE:
                     # the block's table: its 8 magnitudes times 2^(6 - (emax - e)), as e4m3
                     dsh = gl.convert_layout(gl.minimum(emax[:, None] - e, E4M3_TABLE_SHIFTS - 1),
                                             gl.SliceLayout(2, BL))
-                    tlo = gl.expand_dims(gl.load(tab_ptr + dsh * 2), 2)
-                    thi = gl.expand_dims(gl.load(tab_ptr + dsh * 2 + 1), 2)
+                    tab = gl.load(tab_ptr.to(gl.pointer_type(gl.int64)) + dsh)  # both words at once
+                    tlo = gl.expand_dims(tab.to(gl.int32), 2)
+                    thi = gl.expand_dims((tab >> 32).to(gl.int32), 2)
                     byts = vals_s.index(stage)._reinterpret(gl.uint8, [BM, 4, 16], VSL).load(BL)
                     ea, eb = _decode_e4m3(byts, tlo, thi)
                     # code 8 m + 4 t + b of block c (byte j = 4 m + b) is K index
@@ -305,10 +306,13 @@ if GLUON_AVAILABLE:
                 score = gl.sum(gl.maximum(acc, 0.0) * w[None, :], 1)
                 em = gl.convert_layout(emax, SR)
                 score = score * gl.where(em > 0, em << 23, 1 << 22).to(gl.float32, bitcast=True)
-                c = c_first + it * BM + ar_s
-                js, vs = _entries(c, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE)
+                c0 = c_first + it * BM
+                if SPARSE:
+                    js, vs = _entries(c0 + ar_s, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE)
+                else:  # against scalar limits: 32-bit compares, one pointer step per tile
+                    vs = ar_s < vis - c0
                 score = gl.where(vs, _round_out(score, ROUND), float("-inf"))
-                gl.store(out_row + c, score, mask=c < n_cols)
+                gl.store(out_row + c0 + ar_s, score, mask=ar_s < n_cols - c0)
             async_copy.wait_group(0)
 
     @gluon.jit
