@@ -24,7 +24,8 @@ import torch
 from conftest import INTERPRET, poison_, shapes
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops import paged_indexer as ref
-from deepinfer_vllm.ops.triton.indexer import index_scores_paged, index_scores_paged_sparse, indexer_topk
+from deepinfer_vllm.ops.triton.indexer import (default_mode, index_scores_paged, index_scores_paged_sparse,
+                                               indexer_topk)
 
 NEG = float("-inf")
 REC = 68  # MXFP4 record of 128 dims: 64 value bytes + 4 scale bytes
@@ -266,12 +267,14 @@ def test_scores_default_sizes_and_short_rows(device):
     g, cache, bt, req, vis = _case(device, 6, 4, 3, 90, 2, 16, seed=3)
     q, w = make_queries(device, g, 6, 4, torch.bfloat16)
     want = ref.index_scores_paged(q, w, cache, bt, req, vis, 2, 16)
-    bound = score_bound(q, w, cache, bt, req, vis, 2, 16)
+    mode = default_mode(q, cache, 8)  # 5 on sm90 (the knobs below are the Triton kernel's), else 3
+    bound = _bound(mode, q, w, cache, bt, req, vis, 2, 16)
+    rel, frac = _tols(mode)
     for block_n, tiles, nw, pf in [(None, None, None, None), (64, 1, 4, 1), (128, 2, 8, 2), (64, 3, 4, 0)]:
         got = index_scores_paged(q, w, cache, bt, req, vis, 2, 16, block_n=block_n, tiles=tiles, num_warps=nw,
                                  prefetch=pf)
         assert got.shape == want.shape
-        check_scores(got, want, bound, 0.98)
+        check_scores(got, want, bound, frac, rel)
 
 
 @pytest.mark.parametrize("mode,perm,prefetch,T,H,R,E,ratio,bs,nb", _variant_cases(

@@ -12,7 +12,7 @@ cores (M = keys, N = heads), then ReLU, the head weights and the head sum in fp3
 rounds the score once to the model dtype (returned as fp32). Keys are decoded in registers;
 ``mode`` picks how:
 
-* 5 (opt-in; sm90 with Gluon): the Gluon kernel on fp8 tensor cores. The query is MXFP4 too
+* 5 (default on sm90 with Gluon, every launch): the Gluon kernel on fp8 tensor cores. The query is MXFP4 too
   (spec 6.6), so with each key's and each head's largest block scale factored out (applied
   after the head sum) both operands are exact e4m3 numbers (blocks down to 14 binades below
   the largest; smaller ones round) and need no widening: a code's magnitude picks its e4m3
@@ -23,10 +23,8 @@ rounds the score once to the model dtype (returned as fp32). Keys are decoded in
   from mode 4's by one step; top-512 selections agree on >= 99.99 % of indices). DeepGEMM's
   fp8 MQA-logits kernels for DeepSeek-V3.2's indexer use the same fp8 wgmma. B=256 x 131072
   keys: 0.94 ms, 61 % of copy (mode 4: 1.20 ms), and faster than modes 3/4 on short rows and
-  candidate blocks too (benchmarks/README.md, run 8). It is meant to become the default on
-  sm90 for every launch (one arithmetic whatever the batch) once the whole GPU suite has
-  passed with it as the default.
-* 4 (default for large dense launches on sm90 with Gluon): mode 3's arithmetic as a Gluon
+  candidate blocks too (benchmarks/README.md, run 8). One arithmetic whatever the batch.
+* 4: mode 3's arithmetic as a Gluon
   kernel (``ops/triton/indexer_gluon.py``): a cp.async ring, explicit layouts, each thread's
   A fragment read as 16 contiguous bytes; fp32-exact sums like mode 3. 5 % faster than mode 3
   at B=256 x 131072 keys (47 % of copy), slower on short rows and candidate blocks.
@@ -99,6 +97,16 @@ DEFAULT_MODE = 3
 DEFAULT_PREFETCH = 1
 _FAILED: dict[int | str, bool] = {}
 _FALLBACK = {5: 3, 4: 3, 3: 0, 0: 1}  # the next decode to try when one fails to compile
+
+
+def default_mode(q: torch.Tensor, index_cache: torch.Tensor, page_n: int) -> int:
+    """The decode a launch gets without ``mode``: 5 wherever the Gluon kernel runs, for every
+    batch size, row length and candidate list alike (so a token's scores never depend on what
+    it is batched with; it is also the fastest there, benchmarks/README.md run 8), 2 for fp32
+    queries, 3 elsewhere."""
+    if q.dtype == torch.float32:
+        return 2
+    return 5 if gluon_supported(q, index_cache, page_n) else DEFAULT_MODE
 
 
 @triton.jit
@@ -435,12 +443,7 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
     gluon_ok = gluon_supported(q, index_cache, page_n)
     asked = mode
     if mode is None:
-        # Gluon for large dense launches only (>= 128 tiles of 64 keys per program at 4 programs
-        # per SM): there it is 5 % faster; on short rows its per-program set-up costs more, and
-        # its per-key address path is slower for candidate blocks (benchmarks/README.md, run 4).
-        # Mode 5 is opt-in until the whole GPU suite has run with it as the default (run 8).
-        big = T * triton.cdiv(n_cols, 64) >= 128 * 4 * _num_sms(q.device)
-        mode = 2 if q.dtype == torch.float32 else (4 if gluon_ok and cand is None and big else DEFAULT_MODE)
+        mode = default_mode(q, index_cache, page_n)
     if mode not in (0, 1, 2, 3, 4, 5):
         raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16), 2 (fp32), 3 (fp16), 4 (Gluon) or "
                          f"5 (Gluon, fp8), got {mode}")
