@@ -70,15 +70,16 @@ def make_queries(T: int, device: str | None = None):
 
 
 # Scores variants timed at VARIANT_SHAPES (kwargs of index_scores_paged): the default is the
-# Gluon kernel (mode 4: cp.async ring of 4 stages, 2048 keys per program) on sm90.
+# Gluon kernel on fp8 wgmma (mode 5: cp.async ring of 4 stages, program length from
+# ``indexer_gluon.program_tiles``) on sm90.
 SCORE_VARIANTS = [
-    ("mode 3 tl fp16 (previous default)", dict(mode=3)),
+    ("mode 4 gluon fp16 wgmma", dict(mode=4)),
+    ("mode 3 tl fp16", dict(mode=3)),
     ("mode 0 dot_scaled", dict(mode=0)),
     ("gluon stages=3", dict(stages=3)),
     ("gluon stages=6", dict(stages=6)),
-    ("gluon tiles=8", dict(tiles=8)),
     ("gluon tiles=64", dict(tiles=64)),
-    ("gluon fp8 wgmma (mode 5)", dict(mode=5)),
+    ("gluon tiles=256 (rule before run 9)", dict(tiles=256)),
 ]
 VARIANT_SHAPES = ((128, 32768), (256, 131072))
 

@@ -22,12 +22,12 @@ rounds the score once to the model dtype (returned as fp32). Keys are decoded in
   error up to ~2^-14 of ``sum_h |w_h| sum_k |q_hk k_jk|`` (1-2 % of the bf16 scores differ
   from mode 4's by one step; top-512 selections agree on >= 99.99 % of indices). DeepGEMM's
   fp8 MQA-logits kernels for DeepSeek-V3.2's indexer use the same fp8 wgmma. B=256 x 131072
-  keys: 0.94 ms, 61 % of copy (mode 4: 1.20 ms), and faster than modes 3/4 on short rows and
-  candidate blocks too (benchmarks/README.md, run 8). One arithmetic whatever the batch.
+  keys: 0.77 ms, 73 % of copy (mode 4: 1.12 ms), and faster than modes 3/4 on short rows and
+  candidate blocks too (benchmarks/README.md, runs 8 and 9). One arithmetic whatever the batch.
 * 4: mode 3's arithmetic as a Gluon
   kernel (``ops/triton/indexer_gluon.py``): a cp.async ring, explicit layouts, each thread's
   A fragment read as 16 contiguous bytes; fp32-exact sums like mode 3. 5 % faster than mode 3
-  at B=256 x 131072 keys (47 % of copy), slower on short rows and candidate blocks.
+  at B=256 x 131072 keys (51 % of copy in run 9), slower on short rows and candidate blocks.
 * 3 (default for bf16/fp16 queries off sm90): fp16 wgmma on exactly converted operands. Each key is
   split into its largest block scale ``2^(emax - 127)`` and the fp16 values ``e2m1 *
   2^-(emax - e_b)`` (exact down to 30 binades below ``emax``; smaller blocks are below an
@@ -550,7 +550,7 @@ def index_scores_paged(
     columns ``j >= visible[t]`` are ``-inf`` and their pages are never read. Scores are
     rounded once to ``out_dtype`` (default ``q.dtype``). ``mode``/``block_n``/``tiles``/
     ``num_warps``/``perm``/``prefetch``/``maxnreg``/``i16``/``stages`` are tuning knobs (see the
-    module docstrings; ``tiles`` counts 64-key tiles in mode 4); ``None`` picks the measured default.
+    module docstrings; ``tiles`` counts 64-key tiles in modes 4/5); ``None`` picks the measured default.
     """
     page_n = _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, block_size)
     if max_visible is None:

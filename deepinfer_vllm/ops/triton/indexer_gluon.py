@@ -6,7 +6,11 @@ benchmark's inputs). What Gluon adds is control over where every byte goes:
 
 * The records of the next ``STAGES - 1`` tiles of 64 keys are in flight as ``cp.async``
   copies into a shared-memory ring while the current tile is decoded (16-byte copies; the
-  block ids of a tile are loaded one tile before its copies are issued).
+  block ids of a tile are loaded one tile before its copies are issued). Dense rows with
+  pages of >= 16 records: a thread copies keys ``k`` and ``k + 8`` of one page (one block id,
+  one address; each copy instruction writes 512 contiguous bytes), and keys past the visible
+  entries read block 0 instead of being masked (harmless, L2-resident, masked in the
+  epilogue): no per-key predicates.
 * Each thread reads exactly the bytes its wgmma A fragment needs, 16 contiguous record bytes
   per key (``LDS.128``), decodes them in registers and hands them to the tensor cores with
   no layout conversion (checked at compile time: ``assert_trivial``). That works because a
@@ -15,21 +19,22 @@ benchmark's inputs). What Gluon adds is control over where every byte goes:
   are permuted to match (``_q_perm_dims``). One block per thread also means one scale
   factor per thread and key; the key's largest block scale is a 4-lane reduction.
 * Tiles past a token's visible entries are written (-inf) without being read or computed.
+* Program length (``TILES``, a runtime argument) comes from ``program_tiles``: about five
+  waves of programs over the SMs' resident CTAs, so the programs still running at the end
+  are short.
 
-Measured on the H200 (Triton 3.6; benchmarks/README.md, run 4): 341 SASS instructions per
-warp per tile (21 warp instructions per key: decode 8, epilogue 3.7, copies and addresses
-~4, scales ~2), 85 registers, ~57 % issue utilisation. B=256 x 131072 keys: 1.20 ms, 47 % of
-copy bandwidth (mode 3: 1.27 ms). Program length matters (2048 keys per program: 1.41 ms;
-16384: 1.20 ms), ring depth (2-6) and more CTAs per SM do not. Short rows and candidate
-blocks are faster in mode 3, so ``indexer._launch`` picks this kernel for large dense
-launches only, and falls back to mode 3 if it does not compile.
+``FP8`` (mode 5, the default) runs the same ring and epilogue on fp8 tensor cores: a thread's
+16 record bytes (one ``LDS.128``) become e4m3 bytes by a table lookup
+(``e2m1.E4M3_LOOKUP_PTX``; the table of its block's exponent below the key's largest comes
+from a 256-byte array), Q^T is stored as e4m3 ``[H, 128]`` (K-major, as fp8 wgmma wants) and
+the K order is permuted to match (``_q_perm_dims_fp8``); the join of the two decode halves
+reaches the A fragment by a register renaming only.
 
-``FP8`` (mode 5) runs the same ring and epilogue on fp8 tensor cores: a thread's 16 record
-bytes (one ``LDS.128``) become e4m3 bytes by a table lookup (``e2m1.E4M3_LOOKUP_PTX``; the
-table of its block's exponent below the key's largest comes from a 256-byte array), Q^T is
-stored as e4m3 ``[H, 128]`` (K-major, as fp8 wgmma wants) and the K order is permuted to
-match (``_q_perm_dims_fp8``); the join of the two decode halves reaches the A fragment by a
-register renaming only. Offline sm90: 274 instructions per warp and tile (fp16 path: 341).
+Measured on the H200 (Triton 3.6; benchmarks/README.md, runs 4, 8 and 9): mode 5 takes 228
+SASS instructions per warp and 64-key tile (mode 4: 300), 70 registers, 7 CTAs per SM.
+B=256 x 131072 keys: 0.77 ms, 73 % of copy bandwidth (mode 4: 1.12 ms; mode 3: 1.27 ms).
+Tried without gain: TMA boxes for the dense pages (Triton's lowering adds a barrier around
+every copy and a proxy fence: 310 instructions, 5 % slower), a warp-specialised ring.
 
 Only ``D = 128`` (four scale blocks, one per lane of a quad), up to 256 heads, pages of a
 power-of-two number (>= 4) of records, 16-byte aligned.
@@ -121,10 +126,13 @@ if GLUON_AVAILABLE:
                             + off.to(gl.uint64))
 
     @gluon.jit
-    def _tile_pages(c0, t, vis, n_cols, bt_row, cand_ptr, stride_cand, m_v, m_s,
+    def _tile_pages(c0, live, t, vis, n_cols, bt_row, cand_ptr, stride_cand, m_v, m_s,
                     LOG2_PAGE: gl.constexpr, CB: gl.constexpr, SPARSE: gl.constexpr):
         """Slots, validity and block ids of one tile's copies: value copies of keys ``m_v``,
-        scale copies of keys ``m_s`` (the first of ``SROWS`` keys in one page)."""
+        scale copies of keys ``m_s`` (the first of ``SROWS`` keys in one page). Dense tiles:
+        keys past the visible entries, and every key of a tile that is not ``live``, get
+        block 0 (a real block: its reads are harmless, hit L2, and the epilogue masks them),
+        so the copies need no masks."""
         if SPARSE:
             jv, okv = _entries(c0 + m_v, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE)
             js, oks = _entries(c0 + m_s, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE)
@@ -133,27 +141,49 @@ if GLUON_AVAILABLE:
             okv = jv < vis
             js = c0 + m_s
             oks = js < vis
-        jv = jv.to(gl.uint32)  # entries are >= 0: unsigned shifts and masks, no sign fix-ups
-        js = js.to(gl.uint32)
-        bv = gl.load(bt_row + (jv >> LOG2_PAGE), mask=okv, other=0)
-        bs = gl.load(bt_row + (js >> LOG2_PAGE), mask=oks, other=0)
         slot_mask: gl.constexpr = (1 << LOG2_PAGE) - 1
+        if not SPARSE:
+            lim = gl.where(live, vis - c0, 0)
+            okv = m_v < lim
+            oks = m_s < lim
+        if not SPARSE and slot_mask < 64:
+            # dense tiles start on a page boundary: key m of the tile is slot m % PAGE_N of the
+            # tile's page m // PAGE_N, so only the first page and the limit change per tile
+            jv = m_v.to(gl.uint32)
+            js = m_s.to(gl.uint32)
+            page_row = bt_row + (c0 >> LOG2_PAGE)
+        else:
+            jv = jv.to(gl.uint32)  # entries are >= 0: unsigned shifts and masks, no sign fix-ups
+            js = js.to(gl.uint32)
+            page_row = bt_row
+        bv = gl.load(page_row + (jv >> LOG2_PAGE), mask=okv, other=0)
+        bs = gl.load(page_row + (js >> LOG2_PAGE), mask=oks, other=0)
         return jv & slot_mask, okv, bv, js & slot_mask, oks, bs
 
     @gluon.jit
-    def _issue_tile(vals_s, scl_s, stage, cache_ptr, stride_blk, sv, okv, bv, ss, oks, bs, voff,
-                    PAGE_N: gl.constexpr, SROWS: gl.constexpr):
-        """cp.async one tile's records into ring slot ``stage``: 16 value bytes per thread and
-        key quarter, and the scale words of ``SROWS`` consecutive keys per copy."""
+    def _issue_tile(vals_s, scl_s, stage, cache_ptr, stride_blk, sv, okv, bv, ss, oks, bs, voff, kk,
+                    PAGE_N: gl.constexpr, SROWS: gl.constexpr, SPARSE: gl.constexpr, PAIRS: gl.constexpr):
+        """cp.async one tile's records into ring slot ``stage``: 16 value bytes per copy (dense
+        pages of >= 16 keys: keys k and k + 8 of one page per thread, one block id and address),
+        and the scale words of ``SROWS`` consecutive keys per copy. Only candidate tiles need
+        masks (see ``_tile_pages``)."""
         vrow = _page_base(cache_ptr, stride_blk, bv, sv * 64).to(gl.pointer_type(gl.int16))
-        async_copy.async_copy_global_to_shared(vals_s.index(stage), vrow[:, None, None] + voff,
-                                               mask=okv[:, None, None])
+        if PAIRS:  # vrow: [key group, key] of the pairs' first keys; voff: [g, half, i, block, word]
+            async_copy.async_copy_global_to_shared(vals_s.index(stage).reshape([4, 2, 8, 4, 8]),
+                                                   vrow[:, None, :, None, None] + voff)
+        elif SPARSE:
+            async_copy.async_copy_global_to_shared(vals_s.index(stage), vrow[:, None, None] + voff,
+                                                   mask=okv[:, None, None])
+        else:
+            async_copy.async_copy_global_to_shared(vals_s.index(stage), vrow[:, None, None] + voff)
         # slots are multiples of SROWS: the scale words of SROWS keys are one 4 * SROWS-byte copy
         srow = _page_base(cache_ptr, stride_blk, bs, PAGE_N * 64 + (ss // SROWS) * (SROWS * 4))
         srow = srow.to(gl.pointer_type(gl.int32))
-        kk = gl.arange(0, SROWS, layout=gl.SliceLayout(0, gl.BlockedLayout([1, SROWS], [32, 1], [4, 1], [1, 0])))
-        async_copy.async_copy_global_to_shared(scl_s.index(stage), srow[:, None] + kk[None, :],
-                                               mask=oks[:, None])
+        if SPARSE:
+            async_copy.async_copy_global_to_shared(scl_s.index(stage), srow[:, None] + kk[None, :],
+                                                   mask=oks[:, None])
+        else:
+            async_copy.async_copy_global_to_shared(scl_s.index(stage), srow[:, None] + kk[None, :])
         async_copy.commit_group()
 
     @gluon.jit
@@ -164,9 +194,9 @@ if GLUON_AVAILABLE:
         bt_ptr, stride_bt,
         req_ptr, vis_ptr,
         cand_ptr, stride_cand,
-        out_ptr, stride_out, n_cols, tab_ptr,
+        out_ptr, stride_out, n_cols, tab_ptr, TILES,
         H: gl.constexpr, HP: gl.constexpr, PAGE_N: gl.constexpr,
-        TILES: gl.constexpr, STAGES: gl.constexpr, CB: gl.constexpr,
+        STAGES: gl.constexpr, CB: gl.constexpr,
         SPARSE: gl.constexpr, ROUND: gl.constexpr, SROWS: gl.constexpr, FP8: gl.constexpr,
     ):
         BM: gl.constexpr = 64  # keys per tile: one wgmma M block of the 4 warps
@@ -191,8 +221,16 @@ if GLUON_AVAILABLE:
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BM, 4, 16])
         SR: gl.constexpr = gl.SliceLayout(1, MMA)  # one score per key
-        CL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])  # value copies
-        SCP: gl.constexpr = gl.BlockedLayout([1, SROWS], [32, 1], [4, 1], [1, 0])  # scale-word copies
+        PAIRS: gl.constexpr = (not SPARSE) and PAGE_N >= 16
+        if PAIRS:  # [key group of 16, key pair half, key, block, word]: a thread copies keys k and
+            # k + 8 of one page (one block id, one address), each copy instruction 512 contiguous
+            # bytes; warp w copies the scale words of keys 16 w .. 16 w + 15, its own value keys
+            CL: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 8], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1],
+                                                [4, 3, 2, 1, 0])
+            SCP: gl.constexpr = gl.BlockedLayout([1, SROWS], [4, 8], [4, 1], [1, 0])
+        else:  # value copies [key, block, word]; scale-word copies [key // SROWS, SROWS]
+            CL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+            SCP: gl.constexpr = gl.BlockedLayout([1, SROWS], [32, 1], [4, 1], [1, 0])
         QBL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])  # [D, HP] query load
         QSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, HP], gl.float16)
         VSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
@@ -245,19 +283,31 @@ if GLUON_AVAILABLE:
 
             vals_s = gl.allocate_shared_memory(gl.int16, [STAGES, BM, 4, 8], VSL)
             scl_s = gl.allocate_shared_memory(gl.int32, [STAGES, BM // SROWS, SROWS], SSL)
-            m_v = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))
+            if PAIRS:  # m_v: the first key of each pair, k = 16 g + i (its pair: k + 8)
+                PL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, CL)))  # [g, i]
+                m_v = (gl.arange(0, 4, layout=gl.SliceLayout(1, PL)) * 16)[:, None] + \
+                    gl.arange(0, 8, layout=gl.SliceLayout(0, PL))[None, :]
+                jj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, CL)))))
+                cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, CL)))))
+                rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, CL)))))
+                voff = (jj * 256)[None, :, None, None, None] + (cq * 8)[None, None, None, :, None] + \
+                    rr[None, None, None, None, :]
+            else:
+                m_v = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))
+                cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))
+                rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))
+                voff = (cq * 8)[None, :, None] + rr[None, None, :]
             m_s = gl.arange(0, BM // SROWS, layout=gl.SliceLayout(1, SCP)) * SROWS
-            cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))
-            rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))
-            voff = (cq * 8)[None, :, None] + rr[None, None, :]
+            kk = gl.arange(0, SROWS, layout=gl.SliceLayout(0, SCP))
             # prologue: tiles 0 .. STAGES - 2 in flight, block ids of tile STAGES - 1 loaded
             for s in gl.static_range(STAGES - 1):
-                sv, okv, bv, ss, oks, bs = _tile_pages(c_first + s * BM, t, vis, n_cols, bt_row, cand_ptr,
-                                                       stride_cand, m_v, m_s, LOG2_PAGE, CB, SPARSE)
+                sv, okv, bv, ss, oks, bs = _tile_pages(c_first + s * BM, s < n_live, t, vis, n_cols, bt_row,
+                                                       cand_ptr, stride_cand, m_v, m_s, LOG2_PAGE, CB, SPARSE)
                 _issue_tile(vals_s, scl_s, s, cache_ptr, stride_blk, sv, okv & (s < n_live), bv, ss,
-                            oks & (s < n_live), bs, voff, PAGE_N, SROWS)
-            sv, okv, bv, ss, oks, bs = _tile_pages(c_first + (STAGES - 1) * BM, t, vis, n_cols, bt_row, cand_ptr,
-                                                   stride_cand, m_v, m_s, LOG2_PAGE, CB, SPARSE)
+                            oks & (s < n_live), bs, voff, kk, PAGE_N, SROWS, SPARSE, PAIRS)
+            sv, okv, bv, ss, oks, bs = _tile_pages(c_first + (STAGES - 1) * BM, STAGES - 1 < n_live, t, vis,
+                                                   n_cols, bt_row, cand_ptr, stride_cand, m_v, m_s, LOG2_PAGE,
+                                                   CB, SPARSE)
             cidx = gl.arange(0, 4, layout=gl.SliceLayout(0, FL))
             acc0 = gl.zeros([BM, HP], gl.float32, MMA)
             for it in range(n_live):
@@ -266,10 +316,11 @@ if GLUON_AVAILABLE:
                 gl.thread_barrier()  # ... and everyone's; slot (it - 1) % STAGES is free again
                 nxt = it + STAGES - 1
                 _issue_tile(vals_s, scl_s, nxt % STAGES, cache_ptr, stride_blk, sv, okv & (nxt < n_live), bv, ss,
-                            oks & (nxt < n_live), bs, voff, PAGE_N, SROWS)
+                            oks & (nxt < n_live), bs, voff, kk, PAGE_N, SROWS, SPARSE, PAIRS)
                 # block ids of tile it + STAGES: their latency hides behind this tile's math
-                sv, okv, bv, ss, oks, bs = _tile_pages(c_first + (it + STAGES) * BM, t, vis, n_cols, bt_row,
-                                                       cand_ptr, stride_cand, m_v, m_s, LOG2_PAGE, CB, SPARSE)
+                sv, okv, bv, ss, oks, bs = _tile_pages(c_first + (it + STAGES) * BM, it + STAGES < n_live, t, vis,
+                                                       n_cols, bt_row, cand_ptr, stride_cand, m_v, m_s, LOG2_PAGE,
+                                                       CB, SPARSE)
 
                 # scales: thread (key, c) takes byte c of the key's word; emax over the quad
                 sw = scl_s.index(stage).reshape([BM]).load(RL)
@@ -358,6 +409,36 @@ def _e4m3_tables(device: torch.device) -> torch.Tensor:
     return _TABLES[device]
 
 
+_CTAS_PER_SM: dict = {}  # kernel variant -> CTAs resident per SM (from its registers and shared memory)
+
+
+def _resident_ctas(kernel) -> int:
+    """CTAs of 4 warps one SM holds, from a compiled kernel's registers (64K per SM, allocated
+    per warp in units of 256) and shared memory (228 KiB per SM, 1 KiB reserved per CTA)."""
+    try:
+        regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+        by_regs = 65536 // (regs_per_warp * 4)
+        by_smem = (228 << 10) // (kernel.metadata.shared + 1024)
+        return max(1, min(by_regs, by_smem, 16))
+    except Exception:  # pragma: no cover - a launcher that returns no compiled kernel
+        return 7
+
+
+def program_tiles(tokens: int, row_tiles: int, slots: int) -> int:
+    """64-key tiles per program: about five waves of programs over the GPU's ``slots``
+    (SMs x resident CTAs), so that the programs still running at the end are short, but no
+    program shorter than 32 tiles (each pays for its query set-up and ring fill) unless that
+    would fill less than half a wave; at most 256. Rounded so that a token's programs are
+    equally long. Measured on the H200 (benchmarks/README.md, run 9): B=256 x 131072 keys
+    842 -> 805 us against the power-of-two rule before, B=128 x 32768 120 -> 116, B=64 x 8192
+    23.3 -> 21.2."""
+    work = tokens * row_tiles
+    tiles = max(-(-work // (5 * slots)), min(32, -(-2 * work // slots)))
+    tiles = max(1, min(256, tiles, row_tiles))
+    per_token = -(-row_tiles // tiles)
+    return -(-row_tiles // per_token)
+
+
 def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
                        round_code, out, tiles=None, stages=4, num_sms=132, maxnreg=None, fp8=False):
     """Launch the kernel; inputs already checked by ``indexer._check_inputs`` and
@@ -365,24 +446,24 @@ def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_
     operands and fp8 wgmma (mode 5) instead of fp16 ones (mode 4)."""
     T, H, D = q.shape
     BM = 64
-    if tiles is None:
-        # Long programs amortise the query set-up and the ring's fill (up to 16384 keys), >= 4
-        # programs per SM, and a power of two: a short last program per token would leave SMs
-        # idle at the end of the wave (measured: see the module docstring).
-        n_tiles = T * triton.cdiv(n_cols, BM)
-        tiles = 1 << (max(1, min(256, n_tiles // (4 * num_sms))).bit_length() - 1)
     sparse = cand is not None
-    cptr = cand if sparse else block_table
     # scale words are copied 4 keys (16 bytes) at a time where 4 columns are 4 slots of one page
     srows = 4 if not sparse or (cand_block % 4 == 0 and page_n % cand_block == 0) else 1
+    hp = max(16, triton.next_power_of_2(H))
+    variant = (q.device, hp, page_n, stages, sparse, round_code, srows, fp8, maxnreg)
+    if tiles is None:
+        tiles = program_tiles(T, triton.cdiv(n_cols, BM), num_sms * _CTAS_PER_SM.get(variant, 7))
+    cptr = cand if sparse else block_table
     grid = (triton.cdiv(n_cols, BM * tiles), T)
-    _index_scores_gluon_kernel[grid](
+    kernel = _index_scores_gluon_kernel[grid](
         q, q.stride(0), q.stride(1), w, w.stride(0),
         index_cache, index_cache.stride(0), block_table, block_table.stride(0),
         token_req, visible, cptr, cptr.stride(0), out, out.stride(0), n_cols,
-        _e4m3_tables(q.device) if fp8 else out,
-        H=H, HP=max(16, triton.next_power_of_2(H)), PAGE_N=page_n, TILES=tiles, STAGES=stages,
+        _e4m3_tables(q.device) if fp8 else out, tiles,
+        H=H, HP=hp, PAGE_N=page_n, STAGES=stages,
         CB=cand_block if sparse else 1, SPARSE=sparse, ROUND=round_code, SROWS=srows, FP8=fp8, num_warps=4,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
+    if variant not in _CTAS_PER_SM:
+        _CTAS_PER_SM[variant] = _resident_ctas(kernel)
     return out
