@@ -24,11 +24,14 @@ def test_resident_ctas(regs, shared, want):
 @pytest.mark.parametrize("tokens,row_tiles,slots,want", [
     # hand-computed: 524288 tiles / (5 x 924) = 113.5 -> 114; 18 programs of 114 cover 2048
     (256, 2048, 924, 114),
-    # 65536 / 4620 -> 15 < 32 (and 32 still fills 2048 programs): 32, 16 programs per token
-    (128, 512, 924, 32),
-    # 8192 tiles: 32 per program would fill under half a wave (256 programs); 2 x 8192 / 924
-    # -> 18, 8 programs per token of 16
+    # 65536 / 4620 -> 15 < 16: 16, 32 programs per token
+    (128, 512, 924, 16),
+    # 8192 / 4620 -> 2 < 16, and 16 tiles still fill half a wave (2 x 8192 / 924 -> 18):
+    # 16, 8 programs per token
     (64, 128, 924, 16),
+    # 2048 tiles of one token: 16 per program would be 128 programs, under half a wave;
+    # 2 x 2048 / 924 -> 5, 410 programs of 5 (the last 3)
+    (1, 2048, 924, 5),
     (1, 1, 924, 1),
 ])
 def test_program_tiles_golden(tokens, row_tiles, slots, want):
@@ -46,5 +49,5 @@ def test_program_tiles_properties():
         work = tokens * row_tiles
         if 5 * slots * 32 <= work <= 5 * slots * 256 and row_tiles >= 256:
             assert tokens * per_token >= 4.8 * slots  # about five waves of programs
-        if 2 * work >= 32 * slots:  # a program of 32 tiles would fill half a wave: none shorter
-            assert per_token <= -(-row_tiles // 32)
+        if 2 * work >= 16 * slots:  # a program of 16 tiles would fill half a wave: none shorter
+            assert per_token <= -(-row_tiles // 16)

@@ -427,13 +427,14 @@ def _resident_ctas(kernel) -> int:
 def program_tiles(tokens: int, row_tiles: int, slots: int) -> int:
     """64-key tiles per program: about five waves of programs over the GPU's ``slots``
     (SMs x resident CTAs), so that the programs still running at the end are short, but no
-    program shorter than 32 tiles (each pays for its query set-up and ring fill) unless that
+    program shorter than 16 tiles (each pays for its query set-up and ring fill) unless that
     would fill less than half a wave; at most 256. Rounded so that a token's programs are
-    equally long. Measured on the H200 (benchmarks/README.md, run 9): B=256 x 131072 keys
-    842 -> 805 us against the power-of-two rule before, B=128 x 32768 120 -> 116, B=64 x 8192
-    23.3 -> 21.2."""
+    equally long. Measured on the H200 (benchmarks/README.md, run 9), against the
+    power-of-two rule before: B=256 x 131072 keys 842 -> 805 us, B=256 x 8192 69 -> 61,
+    B=64 x 8192 23.3 -> 20.5; between 16 and 64 tiles B=128 x 32768 and B=256 x 32768 are
+    flat (within 2 %)."""
     work = tokens * row_tiles
-    tiles = max(-(-work // (5 * slots)), min(32, -(-2 * work // slots)))
+    tiles = max(-(-work // (5 * slots)), min(16, -(-2 * work // slots)))
     tiles = max(1, min(256, tiles, row_tiles))
     per_token = -(-row_tiles // tiles)
     return -(-row_tiles // per_token)
