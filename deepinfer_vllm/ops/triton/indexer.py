@@ -24,10 +24,9 @@ rounds the score once to the model dtype (returned as fp32). Keys are decoded in
   fp8 MQA-logits kernels for DeepSeek-V3.2's indexer use the same fp8 wgmma. B=256 x 131072
   keys: 0.77 ms, 73 % of copy (mode 4: 1.12 ms), and faster than modes 3/4 on short rows and
   candidate blocks too (benchmarks/README.md, runs 8 and 9). One arithmetic whatever the batch.
-* 4: mode 3's arithmetic as a Gluon
-  kernel (``ops/triton/indexer_gluon.py``): a cp.async ring, explicit layouts, each thread's
-  A fragment read as 16 contiguous bytes; fp32-exact sums like mode 3. 5 % faster than mode 3
-  at B=256 x 131072 keys (51 % of copy in run 9), slower on short rows and candidate blocks.
+* 4: mode 3's arithmetic as a Gluon kernel (``ops/triton/indexer_gluon.py``): a cp.async
+  ring, explicit layouts, each thread's A fragment read as 16 contiguous bytes; fp32-exact
+  sums like mode 3. B=256 x 131072 keys: 1.12 ms in run 9 (51 % of copy; mode 3: 1.27 ms).
 * 3 (default for bf16/fp16 queries off sm90): fp16 wgmma on exactly converted operands. Each key is
   split into its largest block scale ``2^(emax - 127)`` and the fp16 values ``e2m1 *
   2^-(emax - e_b)`` (exact down to 30 binades below ``emax``; smaller blocks are below an
