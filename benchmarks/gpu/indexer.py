@@ -15,7 +15,8 @@ Flash shapes: 32 index heads x 128 dims, ratio 2, vLLM blocks of 64 tokens (32 r
 
 Rows ``index_scores_paged [variant]`` time other decode modes / pipelines / launch shapes of the
 scores kernel at batch 128 x 32768 and 256 x 131072 (``SCORE_VARIANTS``, to pick the default). ``python benchmarks/gpu/indexer.py --sweep``
-prints a wider sweep (scores modes x block_n x warps x tiles; top-k digit width x chunk).
+prints a wider sweep (scores modes x block_n x warps x tiles; top-k digit width x chunk);
+``--timeline`` prints where a launch's time goes between its programs (``timeline``).
 """
 
 from __future__ import annotations
@@ -253,9 +254,63 @@ def sweep() -> None:
                 print(f"topk T={T} N={N} k={k} dbits={dbits} block={block}: {t * 1e6:.1f} us")
 
 
+TIMELINE_SHAPES = ((64, 8192), (256, 8192), (128, 32768), (256, 131072))
+
+
+def timeline(shapes=TIMELINE_SHAPES) -> None:
+    """Where a launch's time goes between programs (mode 5, default program length): every
+    program's start, first-tile and end times from the global ns timer (a debug build of the
+    kernel), per shape: the span, the first wave's start spread, the programs' median length
+    and prologue, how busy the resident-CTA slots are, and the tail (SMs idle before the end).
+    Eager launches after a warm-up; the stamps are stores, so compare these shapes with each
+    other, not with the graph-timed table."""
+    import deepinfer_vllm.ops.triton.indexer as ix
+    import deepinfer_vllm.ops.triton.indexer_gluon as ig
+
+    plain = ix.gluon_index_scores
+    print(f"{'shape':>18s} {'tiles':>5s} {'progs':>6s} {'span us':>8s} {'start spread':>12s} "
+          f"{'prog med':>8s} {'prologue':>8s} {'busy':>5s} {'SM end min/med/max (us)':>24s}")
+    for B, ctx in shapes:
+        cache, bt = make_cache(B, ctx)
+        q, w = make_queries(B)
+        req = torch.arange(B, device=DEVICE)
+        vis = torch.full((B,), ctx, device=DEVICE)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK, max_visible=ctx)  # compiles, counts CTAs
+        slots = sms * max(ig._CTAS_PER_SM.values())
+        row_tiles = -(-ctx // 64)
+        stamps = torch.zeros(B * row_tiles, 4, dtype=torch.int64, device=DEVICE)  # room for 1-tile programs
+        ix.gluon_index_scores = lambda *a, **k: plain(*a, **{**k, "timeline": stamps})
+        try:
+            for _ in range(3):  # the last launch's stamps are kept
+                index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK, max_visible=ctx)
+            torch.cuda.synchronize()
+        finally:
+            ix.gluon_index_scores = plain
+        st = stamps[stamps[:, 2] != 0].double()  # the launch's programs: rows 0 .. grid size - 1
+        progs = st.shape[0]
+        tiles = -(-row_tiles // (progs // B))
+        t0 = st[:, 0].min()
+        start, first, end = st[:, 0] - t0, st[:, 1] - t0, st[:, 2] - t0
+        span = end.max().item()
+        sm = st[:, 3].long()
+        sm_end = torch.stack([end[sm == i].max() for i in sm.unique()])
+        busy = (end - start).sum().item() / (span * slots)
+        first_wave = start.sort().values[: min(progs, slots)]
+        print(f"{f'B={B} x {ctx}':>18s} {tiles:5d} {progs:6d} {span / 1e3:8.1f} "
+              f"{(first_wave[-1] - first_wave[0]).item() / 1e3:10.1f}us "
+              f"{(end - start).median().item() / 1e3:7.1f}u {(first - start).median().item() / 1e3:7.2f}u "
+              f"{busy:5.2f} {sm_end.min().item() / 1e3:8.1f}/{sm_end.median().item() / 1e3:.1f}/"
+              f"{sm_end.max().item() / 1e3:.1f}")
+        del cache, bt
+
+
 if __name__ == "__main__":
     if "--sweep" in sys.argv:
         sweep()
+        sys.exit()
+    if "--timeline" in sys.argv:
+        timeline()
         sys.exit()
     c = measure_ceilings()
     print(f"copy ceiling {c.copy_bytes_per_s / 1e12:.2f} TB/s")

@@ -187,6 +187,19 @@ if GLUON_AVAILABLE:
         async_copy.commit_group()
 
     @gluon.jit
+    def _timeline_stamp(dbg_ptr, prog, ev, TIMELINE: gl.constexpr):
+        """Debug timeline: the global nanosecond timer at event ``ev`` of program ``prog`` (0 start,
+        1 first tile landed, 2 end; slot 3 holds the SM id)."""
+        if TIMELINE:
+            ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [prog], dtype=gl.int64,
+                                           is_pure=False, pack=1)
+            gl.store(dbg_ptr + prog.to(gl.int64) * 4 + ev, ns)
+            if ev == 0:
+                sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [prog], dtype=gl.int32,
+                                               is_pure=False, pack=1)
+                gl.store(dbg_ptr + prog.to(gl.int64) * 4 + 3, sm.to(gl.int64))
+
+    @gluon.jit
     def _index_scores_gluon_kernel(
         q_ptr, stride_qt, stride_qh,
         w_ptr, stride_wt,
@@ -194,10 +207,11 @@ if GLUON_AVAILABLE:
         bt_ptr, stride_bt,
         req_ptr, vis_ptr,
         cand_ptr, stride_cand,
-        out_ptr, stride_out, n_cols, tab_ptr, TILES,
+        out_ptr, stride_out, n_cols, tab_ptr, TILES, dbg_ptr,
         H: gl.constexpr, HP: gl.constexpr, PAGE_N: gl.constexpr,
         STAGES: gl.constexpr, CB: gl.constexpr,
         SPARSE: gl.constexpr, ROUND: gl.constexpr, SROWS: gl.constexpr, FP8: gl.constexpr,
+        TIMELINE: gl.constexpr = False,
     ):
         BM: gl.constexpr = 64  # keys per tile: one wgmma M block of the 4 warps
         LOG2_PAGE: gl.constexpr = PAGE_N.bit_length() - 1
@@ -237,6 +251,8 @@ if GLUON_AVAILABLE:
         SSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
         pid = gl.program_id(0)
+        prog = pid + gl.program_id(1) * gl.num_programs(0)
+        _timeline_stamp(dbg_ptr, prog, 0, TIMELINE)
         t = gl.program_id(1).to(gl.int64)
         vis = gl.load(vis_ptr + t).to(gl.int32)
         out_row = out_ptr + t * stride_out
@@ -314,6 +330,9 @@ if GLUON_AVAILABLE:
                 stage = it % STAGES
                 async_copy.wait_group(STAGES - 2)  # tile `it` has landed (this thread's copies)
                 gl.thread_barrier()  # ... and everyone's; slot (it - 1) % STAGES is free again
+                if TIMELINE:
+                    if it == 0:
+                        _timeline_stamp(dbg_ptr, prog, 1, TIMELINE)
                 nxt = it + STAGES - 1
                 _issue_tile(vals_s, scl_s, nxt % STAGES, cache_ptr, stride_blk, sv, okv & (nxt < n_live), bv, ss,
                             oks & (nxt < n_live), bs, voff, kk, PAGE_N, SROWS, SPARSE, PAIRS)
@@ -365,6 +384,7 @@ if GLUON_AVAILABLE:
                 score = gl.where(vs, _round_out(score, ROUND), float("-inf"))
                 gl.store(out_row + c0 + ar_s, score, mask=ar_s < n_cols - c0)
             async_copy.wait_group(0)
+        _timeline_stamp(dbg_ptr, prog, 2, TIMELINE)
 
     @gluon.jit
     def _q_perm_dims_fp8(kap):
@@ -441,10 +461,13 @@ def program_tiles(tokens: int, row_tiles: int, slots: int) -> int:
 
 
 def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
-                       round_code, out, tiles=None, stages=4, num_sms=132, maxnreg=None, fp8=False):
+                       round_code, out, tiles=None, stages=4, num_sms=132, maxnreg=None, fp8=False,
+                       timeline=None):
     """Launch the kernel; inputs already checked by ``indexer._check_inputs`` and
     ``gluon_supported``. ``round_code``: 0 fp32, 1 bf16, 2 fp16 scores. ``fp8``: e4m3
-    operands and fp8 wgmma (mode 5) instead of fp16 ones (mode 4)."""
+    operands and fp8 wgmma (mode 5) instead of fp16 ones (mode 4). ``timeline``: an int64
+    ``[programs, 4]`` tensor that gets each program's start, first-tile and end times (global
+    ns timer) and its SM (``benchmarks/gpu/indexer.py --timeline``); a debug build."""
     T, H, D = q.shape
     BM = 64
     sparse = cand is not None
@@ -460,10 +483,10 @@ def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_
         q, q.stride(0), q.stride(1), w, w.stride(0),
         index_cache, index_cache.stride(0), block_table, block_table.stride(0),
         token_req, visible, cptr, cptr.stride(0), out, out.stride(0), n_cols,
-        _e4m3_tables(q.device) if fp8 else out, tiles,
+        _e4m3_tables(q.device) if fp8 else out, tiles, out if timeline is None else timeline,
         H=H, HP=hp, PAGE_N=page_n, STAGES=stages,
         CB=cand_block if sparse else 1, SPARSE=sparse, ROUND=round_code, SROWS=srows, FP8=fp8, num_warps=4,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        TIMELINE=timeline is not None, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if variant not in _CTAS_PER_SM:
         _CTAS_PER_SM[variant] = _resident_ctas(kernel)
