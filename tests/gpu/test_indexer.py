@@ -351,3 +351,32 @@ def test_indexer_topk_end_to_end(device, T, H, R, E, ratio, bs, k, kb):
     mask = ref.candidate_mask_from_blocks(kept.cpu(), vis.cpu(), n, 8)
     masked = ref.topk_indices(scores.cpu().masked_fill(~mask, NEG), k)
     assert _overlap(idx2, masked) >= 0.99
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels do not run under Triton's interpreter")
+def test_scores_gluon_timeline(device):
+    """The timeline build (``benchmarks/gpu/indexer.py --timeline``) scores exactly as the plain
+    kernel and stamps every program: start <= first landed tile <= end, on a real SM."""
+    import deepinfer_vllm.ops.triton.indexer as ix
+
+    T, H, R, E, ratio, bs = 6, 32, 3, 5000, 2, 64
+    g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=91)
+    vis[1] = E  # every token has live tiles: every program reaches its first tile
+    q, w = make_queries(device, g, T, H, torch.bfloat16)
+    want = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, torch.float32, max_visible=E, mode=5, tiles=8)
+    stamps = torch.zeros(64, 4, dtype=torch.int64, device=device)
+    plain = ix.gluon_index_scores
+    ix.gluon_index_scores = lambda *a, **k: plain(*a, **{**k, "timeline": stamps})
+    try:
+        got = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, torch.float32, max_visible=E, mode=5, tiles=8)
+    finally:
+        ix.gluon_index_scores = plain
+    assert torch.equal(got, want)
+    programs = T * -(-E // (8 * 64))
+    st = stamps[:programs].cpu()
+    assert bool((stamps[programs:] == 0).all())
+    live = st[:, 1] != 0  # programs with a visible key stamp their first tile
+    assert bool((st[:, 0] > 0).all() and (st[:, 2] >= st[:, 0]).all())
+    assert bool((st[live, 1] >= st[live, 0]).all() and (st[live, 2] >= st[live, 1]).all())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    assert bool(((st[:, 3] >= 0) & (st[:, 3] < sms)).all())
