@@ -208,6 +208,11 @@ def _candidate_rows() -> list[Row]:
     t = time_s(lambda: index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8))
     rows.append(Row("index_scores_paged_sparse", f"reindex B={B} ctx={ctx} keys={nkeys}", t,
                     B * nkeys * (REC + 4) + B * kb * 4, 2 * H * D * B * nkeys))
+    tv = _time_variant("stages=4", lambda: index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept,
+                                                                      8, stages=4))
+    if tv is not None:  # the dense rows' ring depth, against the candidate path's default of 3
+        rows.append(Row("index_scores_paged_sparse [stages=4]", f"reindex B={B} ctx={ctx} keys={nkeys}", tv,
+                        B * nkeys * (REC + 4) + B * kb * 4, 2 * H * D * B * nkeys))
     compact = index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8)
     t = time_s(lambda: topk_indices(compact, k, index_map=kept, map_block=8))
     t_ref = time_s(lambda: torch.topk(compact, k, dim=1, sorted=False))

@@ -308,6 +308,41 @@ def test_sparse_scores_vs_reference(device, mode, perm, prefetch, T, H, R, E, ra
         check_scores(got, want, bound, frac, rel)
 
 
+# (ratio, block size, candidate block, candidate blocks per token): pages of 4 records and
+# 4-entry blocks take the per-key copies; the rest the paired copies of one block's 8 entries
+SPARSE_COPY_CASES = [(2, 8, 8, 40), (1, 16, 4, 64), (2, 16, 8, 40), (2, 16, 16, 24), (1, 64, 8, 300),
+                     (2, 256, 32, 70)]
+
+
+@pytest.mark.skipif(INTERPRET, reason="modes 4 and 5 are Gluon kernels: no interpreter")
+@pytest.mark.parametrize("mode", [4, 5])
+@pytest.mark.parametrize("ratio,bs,cb,nb", SPARSE_COPY_CASES)
+def test_sparse_scores_equal_dense_scores(device, mode, ratio, bs, cb, nb):
+    """The candidate path scores every kept entry exactly as the dense path does (same bits):
+    only which records are copied differs. Candidates come unsorted, with -1 between them and
+    blocks past a token's visible entries."""
+    T, H, R, E = 6, 32, 3, 2000
+    g, cache, bt, req, vis = _case(device, T, H, R, E, ratio, bs, seed=31 * cb + bs + ratio)
+    q, w = make_queries(device, g, T, H, torch.bfloat16)
+    n_blocks = -(-E // cb)
+    cand = torch.full((T, nb), -1, dtype=torch.int32)
+    for t in range(T):
+        kept = torch.randperm(n_blocks, generator=g)[: min(nb - 3, n_blocks)]
+        cand[t, : kept.numel()] = kept.to(torch.int32)
+        cand[t] = cand[t, torch.randperm(nb, generator=g)]
+    cand = cand.to(device)
+    dense = index_scores_paged(q, w, cache, bt, req, vis, ratio, bs, torch.float32, E, mode=mode)
+    got = index_scores_paged_sparse(q, w, cache, bt, req, vis, ratio, bs, cand, cb, torch.float32, mode=mode,
+                                    out=poison_(torch.empty(T, nb * cb, dtype=torch.float32, device=device)))
+    cols = torch.arange(nb * cb, device=device)
+    blk = cand.long()[:, cols // cb]
+    entry = blk * cb + cols % cb
+    valid = (blk >= 0) & (entry < vis.long()[:, None])
+    want = torch.where(valid, dense.gather(1, entry.clamp(0, E - 1)), torch.full_like(got, NEG))
+    assert valid.any(dim=1)[0] and not valid.any(dim=1)[1]
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} scores differ"
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     hit = tot = 0
     for x, y in zip(a.cpu().tolist(), b.cpu().tolist()):

@@ -94,6 +94,9 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # docstring); a mode that fails to compile on this Triton is recorded here and skipped (3 -> 0 -> 1).
 DEFAULT_MODE = 3
 DEFAULT_PREFETCH = 1
+# Ring depth of the Gluon kernel on candidate (reindex) tiles: 3 stages ran 2-4 % faster than 4
+# there on the H200 (benchmarks/README.md, run 11); dense rows keep 4.
+SPARSE_STAGES = 3
 _FAILED: dict[int | str, bool] = {}
 _FALLBACK = {5: 3, 4: 3, 3: 0, 0: 1}  # the next decode to try when one fails to compile
 
@@ -455,7 +458,8 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
         try:
             return gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand,
                                       cand_block, n_cols, _ROUND[out_dtype], out, tiles=tiles,
-                                      stages=stages or 4, num_sms=_num_sms(q.device), maxnreg=maxnreg,
+                                      stages=stages or (SPARSE_STAGES if cand is not None else 4),
+                                      num_sms=_num_sms(q.device), maxnreg=maxnreg,
                                       fp8=mode == 5)
         except Exception as exc:  # pragma: no cover - a Triton whose Gluon cannot lower the kernel
             if asked in (4, 5):

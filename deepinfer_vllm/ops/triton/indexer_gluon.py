@@ -18,6 +18,9 @@ benchmark's inputs). What Gluon adds is control over where every byte goes:
   the codes of scale block ``c`` (record bytes ``16 c .. 16 c + 15``), and ``Q^T``'s rows
   are permuted to match (``_q_perm_dims``). One block per thread also means one scale
   factor per thread and key; the key's largest block scale is a 4-lane reduction.
+* Candidate (reindex) tiles copy whole candidate blocks the same way: a thread copies keys k
+  and k + 4 of one block of 8 entries (one page), and a -1 or invisible block reads block 0
+  unmasked; only pages of 4 records or blocks of 4 entries copy key by key.
 * Tiles past a token's visible entries are written (-inf) without being read or computed.
 * Program length (``TILES``, a runtime argument) comes from ``program_tiles``: about five
   waves of programs over the SMs' resident CTAs, so the programs still running at the end
@@ -30,9 +33,10 @@ from a 256-byte array), Q^T is stored as e4m3 ``[H, 128]`` (K-major, as fp8 wgmm
 the K order is permuted to match (``_q_perm_dims_fp8``); the join of the two decode halves
 reaches the A fragment by a register renaming only.
 
-Measured on the H200 (Triton 3.6; benchmarks/README.md, runs 4, 8 and 9): mode 5 takes 228
+Measured on the H200 (Triton 3.6; benchmarks/README.md, runs 4, 8, 9 and 11): mode 5 takes 228
 SASS instructions per warp and 64-key tile (mode 4: 300), 70 registers, 7 CTAs per SM.
 B=256 x 131072 keys: 0.77 ms, 73 % of copy bandwidth (mode 4: 1.12 ms; mode 3: 1.27 ms).
+Candidate tiles: 270 instructions (320 with per-key copies); B=128 x 2048 blocks of 8: 75 us.
 Tried without gain: TMA boxes for the dense pages (Triton's lowering adds a barrier around
 every copy and a proxy fence: 310 instructions, 5 % slower), a warp-specialised ring.
 
@@ -111,8 +115,9 @@ if GLUON_AVAILABLE:
         """Entry index and visibility of columns ``c`` (sparse: through the candidate ids)."""
         if SPARSE:
             cm = c < n_cols
-            bid = gl.load(cand_ptr + t * stride_cand + c // CB, mask=cm, other=-1).to(gl.int32)
-            j = bid * CB + c % CB
+            cu = c.to(gl.uint32)  # columns are >= 0: unsigned shifts, no sign fix-ups
+            bid = gl.load(cand_ptr + t * stride_cand + cu // CB, mask=cm, other=-1).to(gl.int32)
+            j = bid * CB + (cu % CB).to(gl.int32)
             valid = (bid >= 0) & (j < vis)
         else:
             j = c
@@ -163,13 +168,13 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _issue_tile(vals_s, scl_s, stage, cache_ptr, stride_blk, sv, okv, bv, ss, oks, bs, voff, kk,
                     PAGE_N: gl.constexpr, SROWS: gl.constexpr, SPARSE: gl.constexpr, PAIRS: gl.constexpr):
-        """cp.async one tile's records into ring slot ``stage``: 16 value bytes per copy (dense
-        pages of >= 16 keys: keys k and k + 8 of one page per thread, one block id and address),
-        and the scale words of ``SROWS`` consecutive keys per copy. Only candidate tiles need
-        masks (see ``_tile_pages``)."""
+        """cp.async one tile's records into ring slot ``stage``: 16 value bytes per copy (``PAIRS``
+        > 0: keys k and k + PAIRS of one page per thread, one block id and address), and the
+        scale words of ``SROWS`` consecutive keys per copy. Only candidate tiles with per-key
+        copies need masks (see ``_tile_pages``)."""
         vrow = _page_base(cache_ptr, stride_blk, bv, sv * 64).to(gl.pointer_type(gl.int16))
-        if PAIRS:  # vrow: [key group, key] of the pairs' first keys; voff: [g, half, i, block, word]
-            async_copy.async_copy_global_to_shared(vals_s.index(stage).reshape([4, 2, 8, 4, 8]),
+        if PAIRS > 0:  # vrow: [key group, key] of the pairs' first keys; voff: [g, half, i, block, word]
+            async_copy.async_copy_global_to_shared(vals_s.index(stage).reshape([32 // PAIRS, 2, PAIRS, 4, 8]),
                                                    vrow[:, None, :, None, None] + voff)
         elif SPARSE:
             async_copy.async_copy_global_to_shared(vals_s.index(stage), vrow[:, None, None] + voff,
@@ -179,7 +184,7 @@ if GLUON_AVAILABLE:
         # slots are multiples of SROWS: the scale words of SROWS keys are one 4 * SROWS-byte copy
         srow = _page_base(cache_ptr, stride_blk, bs, PAGE_N * 64 + (ss // SROWS) * (SROWS * 4))
         srow = srow.to(gl.pointer_type(gl.int32))
-        if SPARSE:
+        if SPARSE and PAIRS == 0:
             async_copy.async_copy_global_to_shared(scl_s.index(stage), srow[:, None] + kk[None, :],
                                                    mask=oks[:, None])
         else:
@@ -235,11 +240,21 @@ if GLUON_AVAILABLE:
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BM, 4, 16])
         SR: gl.constexpr = gl.SliceLayout(1, MMA)  # one score per key
-        PAIRS: gl.constexpr = (not SPARSE) and PAGE_N >= 16
-        if PAIRS:  # [key group of 16, key pair half, key, block, word]: a thread copies keys k and
-            # k + 8 of one page (one block id, one address), each copy instruction 512 contiguous
-            # bytes; warp w copies the scale words of keys 16 w .. 16 w + 15, its own value keys
+        # PAIRS: the gap between the two keys of one page that a thread copies (0: one key per
+        # copy). Dense pages of >= 16 keys: k and k + 8. Candidate blocks of >= 8 keys in pages
+        # of >= 8: k and k + 4 of one block (its 8 keys share a page); a block that is -1 or
+        # past the visible entries reads block 0 unmasked, like a dense tile's keys past the
+        # visible ones, and the epilogue masks it.
+        PAIRS: gl.constexpr = (4 if CB >= 8 and PAGE_N >= 8 else 0) if SPARSE else (8 if PAGE_N >= 16 else 0)
+        if PAIRS == 8:  # [key group of 16, key pair half, key, block, word]: each copy instruction
+            # 512 contiguous bytes; warp w copies the scale words of keys 16 w .. 16 w + 15, its own
+            # value keys
             CL: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 8], [1, 1, 8, 4, 1], [4, 1, 1, 1, 1],
+                                                [4, 3, 2, 1, 0])
+            SCP: gl.constexpr = gl.BlockedLayout([1, SROWS], [4, 8], [4, 1], [1, 0])
+        elif PAIRS == 4:  # [block of 8 keys, pair half, key, block, word]: a warp's lanes take two
+            # candidate blocks, each copy instruction two runs of 256 contiguous bytes
+            CL: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 8], [2, 1, 4, 4, 1], [4, 1, 1, 1, 1],
                                                 [4, 3, 2, 1, 0])
             SCP: gl.constexpr = gl.BlockedLayout([1, SROWS], [4, 8], [4, 1], [1, 0])
         else:  # value copies [key, block, word]; scale-word copies [key // SROWS, SROWS]
@@ -299,14 +314,14 @@ if GLUON_AVAILABLE:
 
             vals_s = gl.allocate_shared_memory(gl.int16, [STAGES, BM, 4, 8], VSL)
             scl_s = gl.allocate_shared_memory(gl.int32, [STAGES, BM // SROWS, SROWS], SSL)
-            if PAIRS:  # m_v: the first key of each pair, k = 16 g + i (its pair: k + 8)
+            if PAIRS > 0:  # m_v: the first key of each pair, k = 2 PAIRS g + i (its pair: k + PAIRS)
                 PL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, CL)))  # [g, i]
-                m_v = (gl.arange(0, 4, layout=gl.SliceLayout(1, PL)) * 16)[:, None] + \
-                    gl.arange(0, 8, layout=gl.SliceLayout(0, PL))[None, :]
+                m_v = (gl.arange(0, 32 // PAIRS, layout=gl.SliceLayout(1, PL)) * (2 * PAIRS))[:, None] + \
+                    gl.arange(0, PAIRS, layout=gl.SliceLayout(0, PL))[None, :]
                 jj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, CL)))))
                 cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, CL)))))
                 rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, CL)))))
-                voff = (jj * 256)[None, :, None, None, None] + (cq * 8)[None, None, None, :, None] + \
+                voff = (jj * (32 * PAIRS))[None, :, None, None, None] + (cq * 8)[None, None, None, :, None] + \
                     rr[None, None, None, None, :]
             else:
                 m_v = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))
