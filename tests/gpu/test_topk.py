@@ -115,7 +115,8 @@ def test_topk_digit_widths(device, dbits, method):
     "T,N,k,s1",
     shapes(small=[(2, 20000, 64, None), (2, 5000, 512, 2)],
            large=[(64, 131072, 512, 8), (64, 131072, 512, 16), (64, 131072, 512, 32), (64, 32768, 512, 4),
-                  (64, 16384, 2048, 2), (256, 16384, 512, 4), (8, 524288, 512, None)]),
+                  (64, 16384, 2048, 2), (256, 16384, 512, 4), (8, 524288, 512, None),
+                  (256, 8192, 512, None), (256, 16384, 512, None), (64, 65536, 512, None), (64, 16384, 2048, None)]),
 )
 def test_topk_register_path_reductions(device, kind, T, N, k, s1):
     """The register path's top-k blocks at the block sizes the benchmark may pick as default."""
@@ -188,11 +189,17 @@ def test_choose_block_reduction():
     assert choose_block_reduction(8192, 512) == 2
     assert choose_block_reduction(16384, 2048) == 1
     assert choose_block_reduction(7, 4) == 1
-    assert choose_reg_reduction(16384, 2048) == 1
-    assert choose_reg_reduction(131072, 512) == 16
+    # the register path: both tiles near 4096 (benchmarks/README.md, run 11)
+    assert choose_reg_reduction(8192, 512) == 8
+    assert choose_reg_reduction(16384, 512) == 8
     assert choose_reg_reduction(32768, 512) == 8
-    assert choose_reg_reduction(131072, 2048) == 8
+    assert choose_reg_reduction(65536, 512) == 16
+    assert choose_reg_reduction(131072, 512) == 32
+    assert choose_reg_reduction(16384, 2048) == 4
+    assert choose_reg_reduction(131072, 2048) == 8  # k * S1 <= REG_MAX
     assert choose_reg_reduction(524288, 512) == 32
+    assert choose_reg_reduction(4096, 512) == 1  # S1 = 8 would not halve the row
+    assert choose_reg_reduction(2048, 2048) == 1
     assert choose_reg_reduction(1 << 20, 512) is None
 
 
