@@ -16,7 +16,8 @@ Flash shapes: 32 index heads x 128 dims, ratio 2, vLLM blocks of 64 tokens (32 r
 Rows ``index_scores_paged [variant]`` time other decode modes / pipelines / launch shapes of the
 scores kernel at batch 128 x 32768 and 256 x 131072 (``SCORE_VARIANTS``, to pick the default). ``python benchmarks/gpu/indexer.py --sweep``
 prints a wider sweep (scores modes x block_n x warps x tiles; top-k digit width x chunk);
-``--timeline`` prints where a launch's time goes between its programs (``timeline``).
+``--timeline`` prints where a launch's time goes between its programs (``timeline``);
+``--read-ceiling`` times the indexer against a kernel that only reads the same bytes (``read_ceiling``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def make_cache(n_req: int, entries: int, device: str | None = None):
     cache = buf.view(-1).as_strided((num_blocks, 1, PAGE_N, REC), (stride, PAGE_N * REC, REC, 1))
     bt = torch.randperm(num_blocks, device=device).view(n_req, pages).to(torch.int32)
     return cache, bt
+
+
+def decode_inputs(B: int, ctx: int):
+    """One decode token per request over ``ctx`` keys: ``(cache, bt, q, w, req, vis)``."""
+    cache, bt = make_cache(B, ctx)
+    q, w = make_queries(B)
+    return cache, bt, q, w, torch.arange(B, device=DEVICE), torch.full((B,), ctx, device=DEVICE)
 
 
 def make_queries(T: int, device: str | None = None):
@@ -199,10 +207,7 @@ def _candidate_rows() -> list[Row]:
                                 T * N * 4 + T * kb * 4, 0.0, "block max + torch.topk", t_ref))
         rows.append(Row("  block_scores", f"T={T} N={N}", t_bs, T * N * 4 + T * N // 8 * 4))
     ctx, B = N, CAND["B"]
-    cache, bt = make_cache(B, ctx)
-    req = torch.arange(B, device=DEVICE)
-    vis = torch.full((B,), ctx, device=DEVICE)
-    q, w = make_queries(B)
+    cache, bt, q, w, req, vis = decode_inputs(B, ctx)
     kept = torch.sort(torch.randperm(ctx // 8, device=DEVICE)[:kb].repeat(B, 1), dim=1).values.to(torch.int32)
     nkeys = kb * 8
     t = time_s(lambda: index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8))
@@ -234,10 +239,7 @@ def run(ceilings: Ceilings) -> list[Row]:
 def sweep() -> None:
     """Scores launch parameters and top-k digit widths on one decode shape each (not in ``run``)."""
     B, ctx = 128, 32768
-    cache, bt = make_cache(B, ctx)
-    req = torch.arange(B, device=DEVICE)
-    vis = torch.full((B,), ctx, device=DEVICE)
-    q, w = make_queries(B)
+    cache, bt, q, w, req, vis = decode_inputs(B, ctx)
     for mode in (3, 0):
         for pf in (0, 1, 2):
             for bn, nw in [(64, 4), (128, 4), (128, 8), (256, 8)]:
@@ -276,10 +278,7 @@ def timeline(shapes=TIMELINE_SHAPES) -> None:
     print(f"{'shape':>18s} {'tiles':>5s} {'progs':>6s} {'span us':>8s} {'start spread':>12s} "
           f"{'prog med':>8s} {'prologue':>8s} {'busy':>5s} {'SM end min/med/max (us)':>24s}")
     for B, ctx in shapes:
-        cache, bt = make_cache(B, ctx)
-        q, w = make_queries(B)
-        req = torch.arange(B, device=DEVICE)
-        vis = torch.full((B,), ctx, device=DEVICE)
+        cache, bt, q, w, req, vis = decode_inputs(B, ctx)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK, max_visible=ctx)  # compiles, counts CTAs
         slots = sms * max(ig._CTAS_PER_SM.values())
@@ -310,7 +309,38 @@ def timeline(shapes=TIMELINE_SHAPES) -> None:
         del cache, bt
 
 
+def read_ceiling() -> None:
+    """The indexer against a kernel that only reads the same bytes (``read_ceiling.py``): dense
+    rows' whole pages, and the candidate path's kept blocks. Rates count record bytes."""
+    from benchmarks.gpu.read_ceiling import read_blocks, read_pages
+
+    copy = measure_ceilings().copy_bytes_per_s
+    print(f"{'shape':>34s} {'indexer us':>10s} {'reader us':>9s} {'reader % copy':>13s} {'reader / indexer':>16s}")
+
+    def line(name, rec_bytes, t_idx, t_read):
+        print(f"{name:>34s} {t_idx * 1e6:10.1f} {t_read * 1e6:9.1f} {rec_bytes / t_read / copy:12.0%} "
+              f"{t_read / t_idx:16.2f}")
+
+    for B, ctx in TIMELINE_SHAPES:
+        cache, bt, q, w, req, vis = decode_inputs(B, ctx)
+        t_idx = time_s(lambda: index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK, max_visible=ctx))
+        line(f"B={B} x {ctx}", B * ctx * REC, t_idx, time_s(read_pages(cache, bt, PAGE_N, REC)))
+        del cache, bt
+    ctx, kb = CAND["N"], CAND["keep"]
+    for B in (64, 128, 256):
+        cache, bt, q, w, req, vis = decode_inputs(B, ctx)
+        kept = torch.sort(torch.stack([torch.randperm(ctx // 8, device=DEVICE)[:kb] for _ in range(B)]), 1)
+        kept = kept.values.to(torch.int32)
+        t_idx = time_s(lambda: index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8))
+        line(f"reindex B={B} {kb} x 8 of {ctx}", B * kb * 8 * REC, t_idx,
+             time_s(read_blocks(cache, bt, req, kept, PAGE_N)))
+        del cache, bt
+
+
 if __name__ == "__main__":
+    if "--read-ceiling" in sys.argv:
+        read_ceiling()
+        sys.exit()
     if "--sweep" in sys.argv:
         sweep()
         sys.exit()
