@@ -17,7 +17,8 @@ Rows ``index_scores_paged [variant]`` time other decode modes / pipelines / laun
 scores kernel at batch 128 x 32768 and 256 x 131072 (``SCORE_VARIANTS``, to pick the default). ``python benchmarks/gpu/indexer.py --sweep``
 prints a wider sweep (scores modes x block_n x warps x tiles; top-k digit width x chunk);
 ``--timeline`` prints where a launch's time goes between its programs (``timeline``);
-``--read-ceiling`` times the indexer against a kernel that only reads the same bytes (``read_ceiling``).
+``--read-ceiling`` times the indexer against a kernel that only reads the same bytes (``read_ceiling``);
+``--ab FILE`` times the Gluon kernel against another copy of its file, in one process (``ab``).
 """
 
 from __future__ import annotations
@@ -337,7 +338,54 @@ def read_ceiling() -> None:
         del cache, bt
 
 
+def ab(path: str) -> list[tuple[str, float, float, bool]]:
+    """Same-process A/B of the Gluon scores kernel against another copy of its file (for
+    instance ``git show other-branch:deepinfer_vllm/ops/triton/indexer_gluon.py > /tmp/b.py``):
+    best of two alternating rounds each, after L2 flushes. Rows ``(shape, this, other, same
+    scores)``."""
+    import importlib.util
+
+    import deepinfer_vllm.ops.triton.indexer as ix
+
+    spec = importlib.util.spec_from_file_location("indexer_gluon_b", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules["indexer_gluon_b"] = other
+    spec.loader.exec_module(other)
+    mine = ix.gluon_index_scores
+    cases = [(f"B={B} x {ctx}", B, ctx, None) for B, ctx in TIMELINE_SHAPES]
+    cases.append((f"reindex B={CAND['B']} {CAND['keep']} x 8", CAND["B"], CAND["N"], CAND["keep"]))
+    rows = []
+    for name, B, ctx, kb in cases:
+        cache, bt, q, w, req, vis = decode_inputs(B, ctx)
+        if kb is None:
+            def run():
+                return index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK, max_visible=ctx)
+        else:
+            kept = torch.sort(torch.stack([torch.randperm(ctx // 8, device=DEVICE)[:kb] for _ in range(B)]), 1)
+            kept = kept.values.to(torch.int32)
+
+            def run():
+                return index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8)
+        best, outs = {"this": float("inf"), "other": float("inf")}, {}
+        for _ in range(2):
+            for side, fn in (("this", mine), ("other", other.gluon_index_scores)):
+                ix.gluon_index_scores = fn
+                try:
+                    outs[side] = run().clone()
+                    best[side] = min(best[side], time_s(run))
+                finally:
+                    ix.gluon_index_scores = mine
+        rows.append((name, best["this"], best["other"], torch.equal(outs["this"], outs["other"])))
+        del cache, bt
+    return rows
+
+
 if __name__ == "__main__":
+    if "--ab" in sys.argv:  # --ab FILE: this Gluon kernel against another copy of its file
+        print(f"{'shape':28s} {'this us':>9s} {'other us':>9s} {'this/other':>10s} {'same scores':>11s}")
+        for name, mine_t, other_t, same in ab(sys.argv[sys.argv.index("--ab") + 1]):
+            print(f"{name:28s} {mine_t * 1e6:9.1f} {other_t * 1e6:9.1f} {mine_t / other_t:10.3f} {str(same):>11s}")
+        sys.exit()
     if "--read-ceiling" in sys.argv:
         read_ceiling()
         sys.exit()
