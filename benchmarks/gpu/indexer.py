@@ -70,6 +70,12 @@ def decode_inputs(B: int, ctx: int):
     return cache, bt, q, w, torch.arange(B, device=DEVICE), torch.full((B,), ctx, device=DEVICE)
 
 
+def kept_blocks(B: int, ctx: int, kb: int) -> torch.Tensor:
+    """A different ascending set of ``kb`` candidate blocks of 8 entries per token, ``[B, kb]``."""
+    kept = torch.stack([torch.randperm(ctx // 8, device=DEVICE)[:kb] for _ in range(B)])
+    return torch.sort(kept, dim=1).values.to(torch.int32)
+
+
 def make_queries(T: int, device: str | None = None):
     from deepinfer_vllm.ops import quant
 
@@ -330,8 +336,7 @@ def read_ceiling() -> None:
     ctx, kb = CAND["N"], CAND["keep"]
     for B in (64, 128, 256):
         cache, bt, q, w, req, vis = decode_inputs(B, ctx)
-        kept = torch.sort(torch.stack([torch.randperm(ctx // 8, device=DEVICE)[:kb] for _ in range(B)]), 1)
-        kept = kept.values.to(torch.int32)
+        kept = kept_blocks(B, ctx, kb)
         t_idx = time_s(lambda: index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8))
         line(f"reindex B={B} {kb} x 8 of {ctx}", B * kb * 8 * REC, t_idx,
              time_s(read_blocks(cache, bt, req, kept, PAGE_N)))
@@ -361,8 +366,7 @@ def ab(path: str) -> list[tuple[str, float, float, bool]]:
             def run():
                 return index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK, max_visible=ctx)
         else:
-            kept = torch.sort(torch.stack([torch.randperm(ctx // 8, device=DEVICE)[:kb] for _ in range(B)]), 1)
-            kept = kept.values.to(torch.int32)
+            kept = kept_blocks(B, ctx, kb)
 
             def run():
                 return index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8)
