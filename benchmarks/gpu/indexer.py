@@ -17,6 +17,7 @@ Rows ``index_scores_paged [variant]`` time other decode modes / pipelines / laun
 scores kernel at batch 128 x 32768 and 256 x 131072 (``SCORE_VARIANTS``, to pick the default). ``python benchmarks/gpu/indexer.py --sweep``
 prints a wider sweep (scores modes x block_n x warps x tiles; top-k digit width x chunk);
 ``--timeline`` prints where a launch's time goes between its programs (``timeline``);
+``--digits`` times top-k's radix digit widths at every selection shape (``digit_sweep``);
 ``--read-ceiling`` times the indexer against a kernel that only reads the same bytes (``read_ceiling``);
 ``--ab FILE`` times the Gluon kernel against another copy of its file, in one process (``ab``).
 """
@@ -147,7 +148,7 @@ def _topk_rows() -> list[Row]:
             ("reg s1=8", dict(method="reg", s1=8)),
             ("reg s1=32", dict(method="reg", s1=32)),
             ("reg dbits=4", dict(method="reg", dbits=4)),
-            ("reg dbits=5", dict(method="reg", dbits=5)),
+            ("reg dbits=6", dict(method="reg", dbits=6)),
         ],
         (256, 131072, 512): [
             ("reg s1=32", dict(method="reg", s1=32)),
@@ -157,7 +158,7 @@ def _topk_rows() -> list[Row]:
         (256, 16384, 2048): [
             ("reg s1=2", dict(method="reg", s1=2)),
             ("reg dbits=4", dict(method="reg", dbits=4)),
-            ("reg dbits=5", dict(method="reg", dbits=5)),
+            ("reg dbits=6", dict(method="reg", dbits=6)),
             ("reg warps=8", dict(method="reg", num_warps=8)),
         ],
     }
@@ -185,7 +186,7 @@ def _topk_rows() -> list[Row]:
 
 
 def _candidate_rows() -> list[Row]:
-    cand_variants = [("reg s1=2", dict(method="reg", s1=2)), ("reg dbits=4", dict(method="reg", dbits=4))]
+    cand_variants = [("reg s1=2", dict(method="reg", s1=2)), ("reg dbits=6", dict(method="reg", dbits=6))]
     mapped_variants = [("reg s1=4", dict(method="reg", s1=4)), ("stream", dict(method="stream"))]
 
     def _time_variant(name, fn):
@@ -266,6 +267,41 @@ def sweep() -> None:
             for block in (1024, 2048, 4096):
                 t = time_s(lambda: topk_indices(s, k, dbits=dbits, block=block))
                 print(f"topk T={T} N={N} k={k} dbits={dbits} block={block}: {t * 1e6:.1f} us")
+
+
+def digit_sweep(widths=(4, 5, 6, 7, 8)) -> None:
+    """Top-k radix digit width at every selection shape of the indexer path (dense top-k at
+    T = 16 / 64 / 256, k = 512 / 2048, N = 8192..131072 bf16-valued scores, two fp32 rows,
+    candidate blocks and the mapped reindex top-k). Prints µs per width and whether every width
+    selected the same indices (run 12 chose the default from it)."""
+    def line(name, fn):
+        outs, ts = [], []
+        for d in widths:
+            outs.append(fn(d).clone())
+            ts.append(time_s(lambda: fn(d)))
+        same = all(torch.equal(o, outs[0]) for o in outs)
+        print(f"{name:34s} " + " ".join(f"{t * 1e6:8.1f}" for t in ts) + f"  {same}", flush=True)
+
+    print(f"{'shape':34s} " + " ".join(f"{'dbits=' + str(d):>8s}" for d in widths) + "  same")
+    for N in (8192, 16384, 32768, 65536, 131072):
+        for T in (16, 64, 256):
+            for k in (512, 2048):
+                if k * 4 <= N:
+                    s = _bf16_scores(T, N)
+                    line(f"topk T={T} N={N} k={k}", lambda d: topk_indices(s, k, dbits=d))
+    for T, N in ((64, 32768), (256, 131072)):
+        s = torch.randn(T, N, device=DEVICE)
+        line(f"topk fp32 T={T} N={N} k=512", lambda d: topk_indices(s, 512, dbits=d))
+    N, kb, k = CAND["N"], CAND["keep"], CAND["k"]
+    for T in CAND["T"]:
+        s = _bf16_scores(T, N)
+        vis = torch.full((T,), N, device=DEVICE)
+        line(f"candidate_blocks T={T} N={N}", lambda d: candidate_blocks(s, vis, 8, kb, dbits=d))
+    cache, bt, q, w, req, vis = decode_inputs(CAND["B"], N)
+    kept = kept_blocks(CAND["B"], N, kb)
+    compact = index_scores_paged_sparse(q, w, cache, bt, req, vis, RATIO, BLOCK, kept, 8)
+    line(f"mapped B={CAND['B']} N={kb * 8} k={k}",
+         lambda d: topk_indices(compact, k, index_map=kept, map_block=8, dbits=d))
 
 
 TIMELINE_SHAPES = ((64, 8192), (256, 8192), (128, 32768), (256, 131072))
@@ -398,6 +434,9 @@ if __name__ == "__main__":
         sys.exit()
     if "--timeline" in sys.argv:
         timeline()
+        sys.exit()
+    if "--digits" in sys.argv:
+        digit_sweep()
         sys.exit()
     c = measure_ceilings()
     print(f"copy ceiling {c.copy_bytes_per_s / 1e12:.2f} TB/s")
