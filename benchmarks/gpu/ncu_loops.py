@@ -6,6 +6,7 @@ export its SASS source view (per-instruction warp-stall samples) as CSV::
     ncu -k regex:_decode_kernel -s 1 -c 1 --set full -o /tmp/rep python <script that launches it>
     ncu -i /tmp/rep.ncu-rep --page source --csv --print-source sass > src.csv
     python benchmarks/gpu/ncu_loops.py src.csv
+    python benchmarks/gpu/ncu_loops.py src.csv --pipes   # executed instructions per pipe and opcode
 
 Every backward branch closes a loop; for each innermost loop of at least ``--min``
 instructions this prints its instruction count, the share of all stall samples taken inside
@@ -79,13 +80,58 @@ def report(header: list[str], rows: list[list[str]], min_instructions: int = 100
     return "\n".join(out)
 
 
+# Opcodes that issue to the integer ALU pipe on sm_80-sm_90 (64 lanes per SM and clock: one warp
+# instruction every second cycle per scheduler), and to the FMA pipe: fp32 at full rate, integer
+# multiply-adds on its heavy half only (half rate).
+ALU_OPS = frozenset({"PRMT", "LOP3", "PLOP3", "FMNMX", "IMNMX", "VIMNMX", "SHF", "LEA", "ISETP", "FSETP",
+                     "SEL", "FSEL", "IADD3", "VIADD", "VIADDMNMX", "BMSK", "FLO", "IABS"})
+FMA_OPS = frozenset({"FFMA", "FMUL", "FADD"})
+FMA_HALF_OPS = frozenset({"IMAD", "IMUL"})
+
+
+def pipe_counts(header: list[str], rows: list[list[str]]) -> dict[str, float]:
+    """Executed warp instructions per opcode (``"op:PRMT"``...) and per pipe: ``total``, ``alu``,
+    ``fma`` (``fma_half`` of them at half rate), ``uniform`` (the U* instructions). Run 12 found the dense
+    indexer bound by issue and by the half-rate ALU pipe at once, so a change that moves work
+    from the uniform datapath onto the ALU can run slower with fewer instructions."""
+    executed = header.index("Instructions Executed")
+    out: Counter = Counter()
+    for r in rows:
+        n = _num(r[executed])
+        op = _opcode(r[1]).split(".")[0]
+        out["op:" + op] += n
+        out["total"] += n
+        if op in ALU_OPS:
+            out["alu"] += n
+        elif op in FMA_OPS or op in FMA_HALF_OPS:
+            out["fma"] += n
+            out["fma_half"] += n if op in FMA_HALF_OPS else 0
+        elif op.startswith("U"):
+            out["uniform"] += n
+    return dict(out)
+
+
+def pipe_report(counts: dict[str, float], schedulers: int = 132 * 4, top: int = 16) -> str:
+    """``pipe_counts`` as text: per pipe, millions of warp instructions and the cycles each
+    scheduler needs for them (the half-rate ones twice), then the busiest opcodes."""
+    cycles = {"total": counts.get("total", 0.0), "alu": 2 * counts.get("alu", 0.0),
+              "fma": counts.get("fma", 0.0) + counts.get("fma_half", 0.0), "uniform": counts.get("uniform", 0.0)}
+    lines = [f"{'':10s} {'M instr':>9s} {'k cycles/scheduler':>19s}"]
+    for name, c in cycles.items():
+        lines.append(f"{name:10s} {counts.get(name, 0.0) / 1e6:9.2f} {c / schedulers / 1e3:19.1f}")
+    ops = sorted(((k[3:], v) for k, v in counts.items() if k.startswith("op:")), key=lambda kv: -kv[1])
+    lines += [f"  {op:12s} {v / 1e6:7.2f}" for op, v in ops[:top]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass export")
     ap.add_argument("--min", type=int, default=100, help="smallest loop to list (instructions)")
+    ap.add_argument("--pipes", action="store_true", help="executed instructions per pipe and opcode instead")
     args = ap.parse_args(argv)
     header, rows = read_source_csv(args.csv)
-    print(report(header, rows, args.min))
+    print(pipe_report(pipe_counts(header, rows)) if args.pipes else report(header, rows, args.min))
     return 0
 
 
