@@ -91,9 +91,10 @@ FMA_HALF_OPS = frozenset({"IMAD", "IMUL"})
 
 def pipe_counts(header: list[str], rows: list[list[str]]) -> dict[str, float]:
     """Executed warp instructions per opcode (``"op:PRMT"``...) and per pipe: ``total``, ``alu``,
-    ``fma`` (``fma_half`` of them at half rate), ``uniform`` (the U* instructions). Run 12 found the dense
-    indexer bound by issue and by the half-rate ALU pipe at once, so a change that moves work
-    from the uniform datapath onto the ALU can run slower with fewer instructions."""
+    ``fma`` (``fma_half`` of them at half rate), ``uniform`` (the U* instructions). Run 12
+    found the dense indexer bound by issue and by the half-rate ALU pipe at once, so a change
+    that moves work from the uniform datapath onto the ALU can run slower with fewer
+    instructions."""
     executed = header.index("Instructions Executed")
     out: Counter = Counter()
     for r in rows:
@@ -115,7 +116,8 @@ def pipe_report(counts: dict[str, float], schedulers: int = 132 * 4, top: int = 
     """``pipe_counts`` as text: per pipe, millions of warp instructions and the cycles each
     scheduler needs for them (the half-rate ones twice), then the busiest opcodes."""
     cycles = {"total": counts.get("total", 0.0), "alu": 2 * counts.get("alu", 0.0),
-              "fma": counts.get("fma", 0.0) + counts.get("fma_half", 0.0), "uniform": counts.get("uniform", 0.0)}
+              "fma": counts.get("fma", 0.0) + counts.get("fma_half", 0.0),
+              "uniform": counts.get("uniform", 0.0)}
     lines = [f"{'':10s} {'M instr':>9s} {'k cycles/scheduler':>19s}"]
     for name, c in cycles.items():
         lines.append(f"{name:10s} {counts.get(name, 0.0) / 1e6:9.2f} {c / schedulers / 1e3:19.1f}")
