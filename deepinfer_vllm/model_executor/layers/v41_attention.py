@@ -117,7 +117,6 @@ class V41Attention(nn.Module):
         T = x.shape[0]
         dtype = x.dtype
         pos = state.positions
-        req = state.token_req
 
         c_q = rms_norm(linear(x, self.wq_a), self.q_norm, a.rms_norm_eps)
         q = linear(c_q, self.wq_b).view(T, a.num_heads, a.head_dim)
@@ -165,7 +164,6 @@ class V41Attention(nn.Module):
         indexer scores + top-k over the paged index keys, sparse attention
         straight from the paged records."""
         fast = _kernel_path()
-        a = self.arch
         dev = x.device
         pos = state.positions.to(dev)
         req = state.token_req.to(dev)
