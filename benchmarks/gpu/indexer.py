@@ -352,23 +352,36 @@ def timeline(shapes=TIMELINE_SHAPES) -> None:
         del cache, bt
 
 
+def _copy_seconds(nbytes: int) -> float:
+    """Seconds for a contiguous device copy that reads and writes ``nbytes`` in all."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return time_s(lambda: dst.copy_(src))
+
+
 def read_ceiling() -> None:
     """The indexer against a kernel that only reads the same bytes (``read_ceiling.py``): dense
-    rows' whole pages, and the candidate path's kept blocks. Rates count record bytes."""
+    rows' whole pages, and the candidate path's kept blocks. Rates count record bytes. For dense
+    rows also a torch copy of as many bytes in one contiguous buffer (half of them read, half
+    written, as the 1 GiB copy ceiling counts them): what a kernel of that size reaches when its
+    access pattern is the easiest one."""
     from benchmarks.gpu.read_ceiling import read_blocks, read_pages
 
     copy = measure_ceilings().copy_bytes_per_s
-    print(f"{'shape':>34s} {'indexer us':>10s} {'reader us':>9s} {'reader % copy':>13s} {'reader / indexer':>16s}")
+    print(f"{'shape':>34s} {'indexer us':>10s} {'reader us':>9s} {'reader % copy':>13s} {'reader / indexer':>16s}"
+          f" {'torch copy % copy':>17s}")
 
-    def line(name, rec_bytes, t_idx, t_read):
+    def line(name, rec_bytes, t_idx, t_read, extra=""):
         print(f"{name:>34s} {t_idx * 1e6:10.1f} {t_read * 1e6:9.1f} {rec_bytes / t_read / copy:12.0%} "
-              f"{t_read / t_idx:16.2f}")
+              f"{t_read / t_idx:16.2f}{extra}")
 
     for B, ctx in TIMELINE_SHAPES:
         cache, bt, q, w, req, vis = decode_inputs(B, ctx)
         t_idx = time_s(lambda: index_scores_paged(q, w, cache, bt, req, vis, RATIO, BLOCK, max_visible=ctx))
-        line(f"B={B} x {ctx}", B * ctx * REC, t_idx, time_s(read_pages(cache, bt, PAGE_N, REC)))
+        t_read = time_s(read_pages(cache, bt, PAGE_N, REC))
         del cache, bt
+        n = B * ctx * REC
+        line(f"B={B} x {ctx}", n, t_idx, t_read, f" {n / _copy_seconds(n) / copy:17.0%}")
     ctx, kb = CAND["N"], CAND["keep"]
     for B in (64, 128, 256):
         cache, bt, q, w, req, vis = decode_inputs(B, ctx)

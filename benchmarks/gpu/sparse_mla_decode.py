@@ -13,7 +13,8 @@ of the Triton kernel's launch configs at 128 tokens (ratio 2), and both kernels 
 64 tokens with and without flash-decoding splits. ``--timing`` prints instead where a tile's
 cycles go inside the Gluon kernel (its producer, softmax and PV warpgroups); ``--splits`` where
 small (split) batches spend their time (decode kernel vs merge); ``--ab FILE`` this Gluon kernel
-against another copy of its file, in one process.
+against another copy of its file, in one process; ``--gemm-ceiling`` what cuBLAS gets from the
+same two matmuls as dense bf16 batched matmuls (``gemm_ceiling``).
 """
 
 from __future__ import annotations
@@ -279,6 +280,37 @@ def ab(path: str, ratio: int = 2) -> list[tuple[str, float, float]]:
         rows.append((f"T={q.shape[0]} ({num_reqs} x {per_req})", best["this"], best["other"]))
     return rows
 
+
+def gemm_ceiling(c: Ceilings, tokens=(64, 128, 256)) -> list[tuple[str, float, float]]:
+    """The attention's two matmuls at its own shapes, dense bf16 through torch (cuBLAS), with no
+    gather, decode or softmax: per token S = Q Kᵀ ([64, 512] x [512, 640]) and O = P K ([64, 640]
+    x [640, 512]), as batched matmuls over the tokens, after an L2 flush. The same FLOPs as the
+    kernel's rows. A dense bf16 K is 655 KB per token, three times the kernel's records, so with
+    a K per token the matmuls read more than the kernel does; with one K for every token (batch
+    stride 0) K stays in L2 and only the tensor cores' rate on these shapes is left. Rows
+    ``(shape, seconds, fraction of the bf16 ceiling)``."""
+    keys = W + K
+    rows = []
+    for T in tokens:
+        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        p = torch.randn(T, H, keys, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * T * H * keys * D
+        for k_mode, kv in (("K per token", torch.randn(T, keys, D, device="cuda", dtype=torch.bfloat16)),
+                           ("one K (L2)", torch.randn(1, keys, D, device="cuda", dtype=torch.bfloat16)
+                            .expand(T, keys, D))):
+            for name, fn, n in _attention_matmuls(q, p, kv, flops):
+                t = time_s(fn)
+                rows.append((f"T={T} {k_mode}: {name}", t, n / t / c.bf16_flops_per_s))
+    return rows
+
+
+def _attention_matmuls(q, p, kv, flops):
+    """``(name, fn, FLOPs)`` of S = Q Kᵀ, O = P K and both, as batched bf16 matmuls."""
+    return (("S = Q K^T", lambda: torch.bmm(q, kv.transpose(1, 2)), flops),
+            ("O = P K", lambda: torch.bmm(p, kv), flops),
+            ("both", lambda: (torch.bmm(q, kv.transpose(1, 2)), torch.bmm(p, kv)), 2 * flops))
+
+
 if __name__ == "__main__":
     from benchmarks.gpu.common import HEADER, measure_ceilings
 
@@ -293,6 +325,13 @@ if __name__ == "__main__":
         print(f"{'shape':32s} {'whole us':>9s} {'decode':>9s} {'merge':>9s}")
         for name, whole, decode, merged in split_costs():
             print(f"{name:32s} {whole * 1e6:9.1f} {decode * 1e6:9.1f} {merged * 1e6:9.1f}")
+        raise SystemExit(0)
+    if "--gemm-ceiling" in sys.argv:  # the two matmuls alone, dense bf16 via torch
+        c = measure_ceilings()
+        print(f"bf16 ceiling {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
+        print(f"{'matmuls':36s} {'us':>9s} {'% bf16':>7s}")
+        for name, t, frac in gemm_ceiling(c):
+            print(f"{name:36s} {t * 1e6:9.1f} {frac:7.0%}")
         raise SystemExit(0)
     if "--ab" in sys.argv:  # --ab FILE: this Gluon kernel against another copy of its file
         print(f"{'shape':24s} {'this us':>9s} {'other us':>9s} {'this/other':>10s}")

@@ -38,9 +38,12 @@ instructions per cycle, its stall samples split between issuing (24 %), fixed-la
 dependencies (20 %), short-scoreboard waits (18 %, the hottest on registers that 16-byte shared
 stores are still reading) and global loads (14 %). Things that did not work, and why:
 
-* a second producer warpgroup (16 warps): ptxas compiles every partition, the default one
-  included, against the kernel-wide register limit (65536 / 512 threads = 128), and an
-  ``m64n256`` PV wgmma alone needs 158;
+* a second producer warpgroup (16 warps; each producer decodes half the dims of every tile):
+  ptxas gives each partition its own budget through ``setmaxnreg``, but checks every single
+  instruction against the kernel-wide limit (65536 / 512 threads = 128), which an ``m64n256``
+  PV wgmma (158) exceeds. With ``m64n128`` PV wgmmas (as fast alone) it fits, at 160 / 80 /
+  80 / 192 registers or 160 / 72 / 72 / 208, and passes the tests, but it is 15-24 % slower at
+  T=128-256 (run 14): the producer is not limited by how many warps wait on its loads;
 * computing S of the next tile while the softmax runs needs a third tile buffer (Q + three
   64 KB tiles exceed the 227 KB of shared memory); with two buffers a tile's buffer is busy
   from its decode to its last PV, which bounds the period at half that span;
