@@ -7,6 +7,8 @@ cheap: it records lazy ``module:Class`` strings and imports no model code.
 
 from __future__ import annotations
 
+import logging
+
 __version__ = "0.1.0"
 
 V41_ARCH = "DeepseekV41ForCausalLM"
@@ -15,12 +17,48 @@ V41_BACKEND_NAME = "DEEPINFER_V41_MLA_SWA"
 V41_BACKEND_CLS = "deepinfer_vllm.attention_backends.mla_swa.DeepInferV41Backend"
 
 _registered = False
+logger = logging.getLogger(__name__)
+
+
+def _configure_logging() -> None:
+    """Route the plugin's log records through vLLM's handlers (vLLM configures only
+    its own ``vllm`` logger, so ours would otherwise be dropped)."""
+    ours = logging.getLogger(__name__)
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if theirs.handlers:
+        ours.setLevel(theirs.level)
+        ours.propagate = False
+
+
+def serving_class() -> str:
+    """``deepinfer`` or ``vllm``: who serves V4.1 in this process (``DEEPINFER_MODEL``)."""
+    from deepinfer_vllm import envs
+
+    choice = envs.model_choice()
+    if choice != "auto":
+        return choice
+    from vllm.platforms import current_platform
+
+    return "vllm" if current_platform.is_cuda_alike() else "deepinfer"
 
 
 def register() -> None:
-    """Register the V4.1 model class, its config class and attention backend."""
+    """Register the V4.1 model class, its config class and attention backend
+    (or, where vLLM's in-tree class serves V4.1, nothing)."""
     global _registered
     if _registered:
+        return
+    _configure_logging()
+    if serving_class() == "vllm":
+        logger.info(
+            "DeepSeek-V4.1 is served by vLLM's in-tree class; deepinfer-vllm registers nothing "
+            "(DEEPINFER_MODEL=deepinfer selects the plugin's class)"
+        )
+        _registered = True
         return
     from vllm import ModelRegistry
     from vllm.transformers_utils import config as vllm_hf_config
@@ -37,4 +75,5 @@ def register() -> None:
     register_with_transformers()
     if V41_BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(V41_BACKEND_NAME, V41_BACKEND_CLS)
+    logger.info("DeepSeek-V4.1 is served by deepinfer-vllm's class (%s)", V41_MODEL_CLS)
     _registered = True

@@ -8,6 +8,7 @@ the plugin stays cheap to import in every vLLM process.
 | ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` | ``off`` | ``off``: every layer runs every prompt row. ``mask``: decoder layers (the causal decoder half, from the first ratio-1 layer) keep window KV only for the last ``KEEP`` prompt positions and clip their window there (DeepInfer's bounded replay semantics). ``compact``: the same numerics, computing decoder layers only on the kept rows. |
 | ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` | ``0`` (= ``sliding_window + 12`` when truncating) | retained suffix ``KEEP``; must be at least ``sliding_window``. |
 | ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). |
+| ``DEEPINFER_MODEL`` | ``auto`` | which class serves ``DeepseekV41ForCausalLM``. ``deepinfer``: this plugin's (released formats held as released, TP/DP/EP through vLLM's groups). ``vllm``: vLLM's in-tree class (the plugin registers nothing). ``auto``: vLLM's on CUDA and ROCm, where the in-tree class runs the release on the GPU; the plugin's everywhere else (vLLM's is GPU-only). The choice is logged. |
 | ``DEEPINFER_ATTENTION_KERNELS`` | ``auto`` | kernels of the attention hot path (cache writes, indexer + top-k, sparse attention). ``auto``: our Triton kernels on CUDA devices, the PyTorch reference elsewhere. ``torch``: always the reference. ``triton``: always Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). The choice is logged once. |
 """
 
@@ -22,13 +23,16 @@ def _get(name: str, default: str) -> str:
     return os.environ.get(name, default).strip()
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """``name``'s value (default: the first choice), lower-cased; anything else raises."""
+    value = _get(name, choices[0]).lower()
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; expected one of {choices}")
+    return value
+
+
 def yoco_mode() -> str:
-    mode = _get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "off").lower()
-    if mode not in YOCO_MODES:
-        raise ValueError(
-            f"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE={mode!r}; expected one of {YOCO_MODES}"
-        )
-    return mode
+    return _choice("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", YOCO_MODES)
 
 
 def yoco_keep_tokens() -> int:
@@ -60,17 +64,18 @@ def yoco_settings(sliding_window: int) -> tuple[str, int]:
 
 
 def platform_mode() -> str:
-    mode = _get("DEEPINFER_PLATFORM", "auto").lower()
-    if mode not in ("auto", "off"):
-        raise ValueError(f"DEEPINFER_PLATFORM={mode!r}; expected 'auto' or 'off'")
-    return mode
+    return _choice("DEEPINFER_PLATFORM", ("auto", "off"))
 
 
 ATTENTION_KERNEL_MODES = ("auto", "torch", "triton")
 
 
 def attention_kernels() -> str:
-    mode = _get("DEEPINFER_ATTENTION_KERNELS", "auto").lower()
-    if mode not in ATTENTION_KERNEL_MODES:
-        raise ValueError(f"DEEPINFER_ATTENTION_KERNELS={mode!r}; expected one of {ATTENTION_KERNEL_MODES}")
-    return mode
+    return _choice("DEEPINFER_ATTENTION_KERNELS", ATTENTION_KERNEL_MODES)
+
+
+MODEL_CHOICES = ("auto", "deepinfer", "vllm")
+
+
+def model_choice() -> str:
+    return _choice("DEEPINFER_MODEL", MODEL_CHOICES)

@@ -46,10 +46,12 @@ __all__ = [
     "INDEX_FILE",
     "CheckpointFormatError",
     "TensorSpec",
+    "canonical_name",
     "expected_tensors",
     "is_fp32_island",
     "iter_dequantized",
     "read_safetensors_index",
+    "safetensors_dtype",
     "scale_name",
     "validate_checkpoint_index",
 ]
@@ -342,8 +344,32 @@ def read_safetensors_index(model_dir: str | Path) -> TensorIndex:
     return found
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """A stored name without the optional ``model.`` prefix (DeepInfer accepts both)."""
     return name.removeprefix("model.")
+
+
+_canonical = canonical_name
+
+_SAFETENSORS_DTYPES = {
+    torch.float8_e4m3fn: FP8,
+    torch.float8_e8m0fnu: E8M0,
+    torch.int8: FP4,
+    torch.uint8: "U8",
+    torch.bfloat16: BF16,
+    torch.float16: "F16",
+    torch.float32: F32,
+    torch.float64: "F64",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a loaded tensor (as its header spells it)."""
+    return _SAFETENSORS_DTYPES.get(dtype, str(dtype))
 
 
 def _detect(found_canonical: Iterable[str]) -> tuple[bool, bool]:

@@ -1,10 +1,23 @@
-"""The quantisation method vLLM records for V4.1 checkpoints.
+"""The quantisation method vLLM records for V4.1 checkpoints, and its layer methods.
 
 The released ``quantization_config`` says ``quant_method: fp8``; left alone,
-vLLM would route it to its own FP8/DeepGEMM method (bf16 only, GPU kernels).
-DeepInfer's model reads the released formats itself, so this method claims
-V4.1 checkpoints, allows every activation dtype the platform does, and gives
-no vLLM layer a quant method.
+vLLM would route it to its own FP8 methods (GPU kernels, bf16 only). This
+config claims V4.1 checkpoints when DeepInfer's model serves them and gives
+vLLM's parallel linear, embedding and head layers methods that hold the
+released bytes:
+
+* ``V41Fp8LinearMethod``: FP8 E4M3 ``weight`` with one UE8M0 ``scale`` per
+  32x32 tile (the checkpoint's own parameter names);
+* ``V41StoredLinearMethod``: bf16 / fp32 linears (compressor, indexer keys,
+  index weights), held in the dtype the checkpoint stores;
+* ``V41EmbeddingMethod``: the bf16 embedding and head.
+
+Which tensor has which format comes from ``checkpoint.expected_tensors``
+(one source of the format): the model binds its config with ``bind_format``
+before building layers, and layers are looked up by their prefix, which is
+the checkpoint name of their weight without ``.weight``. Every GEMM decodes
+its weight when it runs (``layers.dequant``) and returns ``x.dtype``, or the
+accumulation dtype when asked (row-parallel partial sums).
 """
 
 from __future__ import annotations
@@ -12,24 +25,138 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn import Parameter
 
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.utils import set_weight_attrs
+
+from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+from deepinfer_vllm.model_executor import checkpoint
+from deepinfer_vllm.model_executor.layers import dequant
 
 METHOD_NAME = "deepinfer_v41"
+
+# safetensors dtype string -> the torch dtype a parameter keeps it in.
+TORCH_DTYPES = {
+    checkpoint.FP8: torch.float8_e4m3fn,
+    checkpoint.E8M0: torch.float8_e8m0fnu,
+    checkpoint.FP4: torch.int8,
+    checkpoint.BF16: torch.bfloat16,
+    checkpoint.F32: torch.float32,
+}
+TILE = dequant.FP8_TILE
 
 
 def _is_v41(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", None) == "deepseek_v41"
 
 
+def _weight_attrs(param: Parameter, weight_loader=None, **attrs) -> Parameter:
+    set_weight_attrs(param, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader, **attrs})
+    return param
+
+
+class V41Fp8LinearMethod(LinearMethodBase):
+    """Dense FP8 E4M3 weight ``[out, in]`` + UE8M0 ``scale`` per 32x32 tile, as released."""
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        loader = extra_weight_attrs.pop("weight_loader")
+        rows, cols = sum(output_partition_sizes), input_size_per_partition
+        if rows % TILE or cols % TILE:
+            raise ValueError(
+                f"{layer.prefix}: this rank's slice [{rows}, {cols}] of the FP8 weight "
+                f"[{output_size}, {input_size}] does not keep whole {TILE}x{TILE} scale tiles; "
+                "choose a tensor_parallel_size that splits it into multiples of 32"
+            )
+        weight = Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
+        scale = Parameter(torch.empty(rows // TILE, cols // TILE, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        layer.register_parameter("weight", _weight_attrs(weight, loader, **extra_weight_attrs))
+        layer.register_parameter("scale", _weight_attrs(scale, loader, **extra_weight_attrs))
+
+    def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequant.gemm_fp8(x, layer.weight, layer.scale, out_dtype)
+
+    def decoded(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight decoded into the workspace (for GEMMs that are not ``x @ W.T``)."""
+        return dequant.decode_fp8_block(layer.weight, layer.scale, dtype)
+
+
+class _StoredWeight:
+    """``create_weights`` of a weight held in the one dtype the checkpoint stores it in."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        weight = Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=self.dtype),
+            requires_grad=False,
+        )
+        layer.register_parameter("weight", _weight_attrs(weight, **extra_weight_attrs))
+
+
+class V41StoredLinearMethod(_StoredWeight, LinearMethodBase):
+    """A bf16 / fp32 linear, kept in the dtype the checkpoint stores it in."""
+
+    def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequant.gemm_stored(x, layer.weight, out_dtype)
+
+    def decoded(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        return dequant.decode_stored(layer.weight, dtype)
+
+
+class V41EmbeddingMethod(_StoredWeight, QuantizeMethodBase):
+    """The embedding and head: bf16 rows as released; logits accumulate in the
+    activations' accumulation dtype and come out fp32 (DeepInfer's logits)."""
+
+    def embedding(self, layer, input_: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(input_, layer.weight)
+
+    def apply(self, layer, x: torch.Tensor, bias=None) -> torch.Tensor:
+        return dequant.gemm_stored(x, layer.weight, torch.float32)
+
+
 @register_quantization_config(METHOD_NAME)
 class DeepInferV41QuantConfig(QuantizationConfig):
-    """FP8 32x32 UE8M0 dense weights + packed FP4 experts, handled by the model."""
+    """FP8 32x32 UE8M0 dense weights + packed FP4 experts, held as released."""
 
     def __init__(self, released: dict[str, Any]):
         super().__init__()
         self.released = dict(released)
+        self._formats: dict[str, checkpoint.TensorSpec] | None = None
+
+    def bind_format(self, arch: V41Arch) -> None:
+        """Learn each tensor's storage format from the model's config (before layers are built)."""
+        self._formats = checkpoint.expected_tensors(arch)
+
+    def storage(self, prefix: str) -> checkpoint.TensorSpec:
+        if self._formats is None:
+            raise RuntimeError(f"{METHOD_NAME}: bind_format(arch) must run before layers are built")
+        spec = self._formats.get(f"{prefix}.weight")
+        if spec is None:
+            raise ValueError(f"{METHOD_NAME}: layer {prefix!r} has no '{prefix}.weight' in the V4.1 format")
+        return spec
 
     def get_name(self) -> str:
         return METHOD_NAME
@@ -55,5 +182,12 @@ class DeepInferV41QuantConfig(QuantizationConfig):
             return None
         return METHOD_NAME if _is_v41(hf_config) else None
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, VocabParallelEmbedding):
+            return V41EmbeddingMethod(TORCH_DTYPES[self.storage(prefix).dtype])
+        if isinstance(layer, LinearBase):
+            dtype = self.storage(prefix).dtype
+            if dtype == checkpoint.FP8:
+                return V41Fp8LinearMethod()
+            return V41StoredLinearMethod(TORCH_DTYPES[dtype])
         return None

@@ -66,8 +66,10 @@ __all__ = [
     "pack_fp4",
     "unpack_fp4",
     "dequant_fp8_block",
+    "dequant_fp8_block_into",
     "quant_fp8_block",
     "dequant_fp4_rows",
+    "dequant_fp4_rows_into",
     "quant_fp4_rows",
     "dequant_fp8_rows",
     "quant_fp8_rows",
@@ -114,6 +116,10 @@ NV_BLOCK = 16
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=torch.float32,
+)
+# Both values of every packed byte (low nibble first): one lookup decodes a byte.
+_E2M1_BYTE_PAIRS = torch.stack(
+    (E2M1_VALUES.repeat(16), E2M1_VALUES.repeat_interleave(16)), dim=-1
 )
 # Decision points between neighbouring e2m1 magnitudes; a tie at an odd index
 # (0.75, 1.75, 3.5) belongs to the upper, even code.
@@ -432,6 +438,26 @@ def dequant_fp8_block(
     return (values * s[..., :rows, :cols]).to(dtype)
 
 
+def dequant_fp8_block_into(out: Tensor, w: Tensor, scale: Tensor, block: int = 32) -> Tensor:
+    """``dequant_fp8_block`` written into ``out`` (fp32 or fp64, shape of ``w``), without
+    materialising the expanded scales: the values of every weight GEMM, decoded when it runs.
+
+    Every product is exact in fp32, so the result equals ``dequant_fp8_block(...).to(out.dtype)``.
+    """
+    rows, cols = w.shape[-2:]
+    if out.shape != w.shape or out.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"out must be fp32/fp64 of shape {tuple(w.shape)}, got {out.dtype} {tuple(out.shape)}")
+    if rows % block or cols % block:
+        return out.copy_(dequant_fp8_block(w, scale, block, torch.float32))
+    tiles = (*w.shape[:-2], rows // block, block, cols // block, block)
+    if tuple(scale.shape[-2:]) != (tiles[-4], tiles[-2]):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not tile a {rows}x{cols} weight by {block}")
+    o = out.view(tiles)
+    o.copy_(_as_u8(w).view(torch.float8_e4m3fn).view(tiles))
+    o.mul_(ue8m0_decode(scale).to(out.dtype)[..., :, None, :, None])
+    return out
+
+
 def quant_fp8_block(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """Quantise a dense weight ``[..., R, C]`` to e4m3 bytes + UE8M0 tile scales.
 
@@ -454,6 +480,20 @@ def dequant_fp4_rows(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.f
     """Routed-expert MXFP4 weight: packed ``[..., R, C/2]`` (int8 or uint8) with UE8M0
     ``[..., R, C/32]`` -> ``[..., R, C]``: ``e2m1(nibble) * 2**(scale[r, c // 32] - 127)``."""
     return mxfp4_dequantize(packed, scale, dtype)
+
+
+def dequant_fp4_rows_into(out: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
+    """``dequant_fp4_rows`` written into ``out`` (fp32 or fp64, ``[..., R, C]``): one lookup
+    of both nibbles of every byte, then one multiply by the row's per-32 scales (exact)."""
+    p = _as_u8(packed)
+    if out.shape[:-1] != p.shape[:-1] or out.shape[-1] != 2 * p.shape[-1]:
+        raise ValueError(f"out shape {tuple(out.shape)} does not unpack {tuple(p.shape)}")
+    if out.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"out must be fp32 or fp64, got {out.dtype}")
+    pairs = _E2M1_BYTE_PAIRS.to(device=out.device, dtype=out.dtype)
+    torch.index_select(pairs, 0, p.reshape(-1).to(torch.int32), out=out.view(-1, 2))
+    out.view(*out.shape[:-1], -1, MX_BLOCK).mul_(ue8m0_decode(scale).to(out.dtype).unsqueeze(-1))
+    return out
 
 
 def quant_fp4_rows(w: Tensor) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,10 @@ STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker")
 
 
 def is_v41(model_config) -> bool:
-    if model_config is None:
+    """A V4.1 checkpoint that this plugin's class serves (``DEEPINFER_MODEL``)."""
+    from deepinfer_vllm import serving_class
+
+    if model_config is None or serving_class() != "deepinfer":
         return False
     hf_config = model_config.hf_config
     if getattr(hf_config, "model_type", None) == "deepseek_v41":
@@ -57,6 +60,7 @@ class DeepInferCpuPlatform(CpuPlatform):
         chunked = scheduler_config.enable_chunked_prefill
         prefix = cache_config.enable_prefix_caching
         max_batched = scheduler_config.max_num_batched_tokens
+        _check_parallel(model_config, parallel_config)
         super().check_and_update_config(vllm_config)
         block_size = user_block_size or V41_DEFAULT_BLOCK_SIZE
         if block_size % 2:
@@ -74,8 +78,26 @@ class DeepInferCpuPlatform(CpuPlatform):
                 "deepinfer-vllm yet; drop speculative_config."
             )
         logger.info(
-            "DeepInfer V4.1 on CPU: block_size=%d, chunked_prefill=%s, prefix_caching=%s",
+            "DeepInfer V4.1 on CPU: block_size=%d, chunked_prefill=%s, prefix_caching=%s, "
+            "tensor_parallel=%d, data_parallel=%d, expert_parallel=%s",
             block_size,
             chunked,
             prefix,
+            parallel_config.tensor_parallel_size,
+            parallel_config.data_parallel_size,
+            parallel_config.enable_expert_parallel,
         )
+
+
+def _check_parallel(model_config, parallel_config) -> None:
+    """Refuse parallel settings V4.1 cannot be split by, in the user's process."""
+    from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+    from deepinfer_vllm.model_executor.layers.parallel import check_parallel
+
+    check_parallel(
+        V41Arch.from_config(model_config.hf_config),
+        parallel_config.tensor_parallel_size,
+        parallel_config.data_parallel_size,
+        parallel_config.pipeline_parallel_size,
+        bool(parallel_config.enable_expert_parallel),
+    )

@@ -33,6 +33,13 @@ class DeepInferCPUModelRunner(CPUModelRunner):
 
 
 class DeepInferCPUWorker(CPUWorker):
+    def deepinfer_weight_bytes(self) -> dict[str, dict[str, int]]:
+        """This worker's resident weight bytes per component, beside the checkpoint's
+        (``collective_rpc("deepinfer_weight_bytes")``; ``deepinfer-weight-bytes``)."""
+        from deepinfer_vllm.model_executor.weight_bytes import weight_bytes
+
+        return weight_bytes(self.model_runner.get_model())
+
     def init_device(self):
         # The stock worker names its runner class directly; swap it in for
         # the duration of the call (this process only runs this worker).

@@ -25,6 +25,23 @@ from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
 from deepinfer_vllm.model_executor.models.deepseek_v41 import DeepseekV41ForCausalLM
 
 
+def single_rank_groups() -> None:
+    """vLLM's process groups for one rank (gloo), as a worker sets them up; once per process."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps.init_distributed_environment(
+        world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0, backend="gloo"
+    )
+    ps.initialize_model_parallel(1, 1)
+
+
 @dataclass
 class _Request:
     tokens: list[int] = field(default_factory=list)
@@ -40,6 +57,7 @@ class PagedHarness:
         self.cfg = args.create_engine_config()
         # As vLLM's loader does: the model dtype is torch's default while building.
         with set_current_vllm_config(self.cfg), set_default_torch_dtype(self.cfg.model_config.dtype):
+            single_rank_groups()
             self.model = DeepseekV41ForCausalLM(vllm_config=self.cfg)
             self.model.load_weights(self._weights(model_dir))
         self.block_size = self.cfg.cache_config.block_size

@@ -32,6 +32,9 @@ class StepState:
     decoder_window_start: torch.Tensor | None = None
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+    # False in vLLM's profiling and dummy runs (no metadata, no caches bound):
+    # every token then attends to its own key only and nothing is stored.
+    has_caches: bool = True
 
     @classmethod
     def from_metadata(cls, attn_metadata: dict, any_layer: str) -> "StepState":
@@ -45,12 +48,29 @@ class StepState:
             num_reqs=meta.num_reqs,
         )
 
+    @classmethod
+    def without_caches(cls, positions: torch.Tensor) -> "StepState":
+        """The step of a profiling or dummy run: each token alone, nothing cached."""
+        T = positions.shape[0]
+        rows = torch.arange(T, dtype=torch.int64, device=positions.device)
+        return cls(
+            attn_metadata={},
+            positions=positions.to(torch.int64),
+            token_req=rows,
+            seq_lens=positions.to(torch.int64) + 1,
+            context_lens=positions.to(torch.int64),
+            num_reqs=T,
+            has_caches=False,
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
     @property
     def prompt_lens(self) -> torch.Tensor | None:
+        if not self.attn_metadata:
+            return None
         return next(iter(self.attn_metadata.values())).prompt_lens
 
     def subset(self, rows: torch.Tensor) -> "StepState":
@@ -71,6 +91,7 @@ class StepState:
             ),
             topk={k: v[rows] for k, v in self.topk.items()},
             candidates={},
+            has_caches=self.has_caches,
         )
 
 

@@ -14,17 +14,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear
+
 from deepinfer_vllm.attention_backends.kernel_select import choose_attention_kernels
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.attention_backends.cache_layout import layer_caches
 from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
+from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
-from deepinfer_vllm.model_executor.layers.weights import dense, linear, vector
+from deepinfer_vllm.model_executor.layers.weights import V41Norm, V41RowParallelLinear, held, linear
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.compressor import pool_ratio2
 from deepinfer_vllm.ops.indexer import candidate_block_mask, index_scores, select_topk
-from deepinfer_vllm.ops.norm import rms_norm
-from deepinfer_vllm.ops.numerics import acc_dtype, gemm
+from deepinfer_vllm.ops.numerics import acc_dtype
 from deepinfer_vllm.ops.rope import apply_rope_tail
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
 
@@ -36,29 +38,42 @@ def _kernel_path():
     return v41_kernel_path
 
 
-class Compressor(nn.Module):
-    """Weights of a KV source's compressor (ratio 2 has the gate)."""
+def _replicated(in_f: int, out_f: int, quant_config, prefix: str) -> ReplicatedLinear:
+    return ReplicatedLinear(in_f, out_f, bias=False, quant_config=quant_config, prefix=prefix, return_bias=False)
 
-    def __init__(self, arch: V41Arch, ratio: int):
+
+class Compressor(nn.Module):
+    """A KV source's compressor (ratio 2 has the gate); replicated on every TP rank."""
+
+    def __init__(self, arch: V41Arch, ratio: int, quant_config, prefix: str):
         super().__init__()
-        self.wkv = dense(arch.head_dim, arch.hidden_size)
-        self.wgate = dense(arch.head_dim, arch.hidden_size) if ratio == 2 else None
-        self.norm = vector(arch.head_dim)
+        self.wkv = _replicated(arch.hidden_size, arch.head_dim, quant_config, f"{prefix}.wkv")
+        self.wgate = (
+            _replicated(arch.hidden_size, arch.head_dim, quant_config, f"{prefix}.wgate") if ratio == 2 else None
+        )
+        self.norm = V41Norm(arch.head_dim, arch.rms_norm_eps)
 
 
 class Indexer(nn.Module):
-    """Indexer weights; ``wk``/``k_norm`` only on KV sources."""
+    """Indexer projections, replicated on every TP rank; ``wk``/``k_norm`` only on KV sources."""
 
-    def __init__(self, arch: V41Arch, owns_keys: bool):
+    def __init__(self, arch: V41Arch, owns_keys: bool, quant_config, prefix: str):
         super().__init__()
-        self.wq_b = dense(arch.index_n_heads * arch.index_head_dim, arch.q_lora_rank)
-        self.weights_proj = dense(arch.index_n_heads, arch.hidden_size)
-        self.wk = dense(arch.index_head_dim, arch.head_dim) if owns_keys else None
-        self.k_norm = vector(arch.index_head_dim) if owns_keys else None
+        a = arch
+        self.wq_b = _replicated(a.q_lora_rank, a.index_n_heads * a.index_head_dim, quant_config, f"{prefix}.wq_b")
+        self.weights_proj = _replicated(a.hidden_size, a.index_n_heads, quant_config, f"{prefix}.weights_proj")
+        self.wk = _replicated(a.head_dim, a.index_head_dim, quant_config, f"{prefix}.wk") if owns_keys else None
+        self.k_norm = V41Norm(a.index_head_dim, a.rms_norm_eps) if owns_keys else None
 
 
 class V41Attention(nn.Module):
-    """Window + compressed sparse attention with sinks (spec §6)."""
+    """Window + compressed sparse attention with sinks (spec §6).
+
+    Under tensor parallelism each rank computes ``num_heads / tp`` query heads
+    and ``o_groups / tp`` output groups; the latent KV head, its caches, the
+    compressor and the indexer are the same on every rank, and ``wo_b`` sums
+    the ranks' partial outputs.
+    """
 
     def __init__(
         self,
@@ -67,6 +82,8 @@ class V41Attention(nn.Module):
         rope_cache: torch.Tensor,
         prefix: str,
         cache_layers: dict[str, V41CacheLayer],
+        quant_config,
+        layout: ParallelLayout,
     ):
         super().__init__()
         self.arch = arch
@@ -74,16 +91,34 @@ class V41Attention(nn.Module):
         self.prefix = prefix
         self.register_buffer("rope_cache", rope_cache, persistent=False)
         a = arch
-        self.wq_a = dense(a.q_lora_rank, a.hidden_size)
-        self.q_norm = vector(a.q_lora_rank)
-        self.wq_b = dense(a.num_heads * a.head_dim, a.q_lora_rank)
-        self.wkv = dense(a.head_dim, a.hidden_size)
-        self.kv_norm = vector(a.head_dim)
-        self.wo_a = dense(a.o_groups * a.o_lora_rank, a.num_heads * a.head_dim // a.o_groups)
-        self.wo_b = dense(a.hidden_size, a.o_groups * a.o_lora_rank)
-        self.attn_sink = vector(a.num_heads)
-        self.compressor = Compressor(a, role.ratio) if role.is_kv_source else None
-        self.indexer = Indexer(a, role.is_kv_source) if role.is_index_source else None
+        tp = layout.tp_size
+        self.num_local_heads = a.num_heads // tp
+        self.num_local_groups = a.o_groups // tp
+        self.head_start = layout.tp_rank * self.num_local_heads
+        self.wq_a = _replicated(a.hidden_size, a.q_lora_rank, quant_config, f"{prefix}.wq_a")
+        self.q_norm = V41Norm(a.q_lora_rank, a.rms_norm_eps)
+        self.wq_b = ColumnParallelLinear(
+            a.q_lora_rank, a.num_heads * a.head_dim, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.wq_b", return_bias=False,
+        )
+        self.wkv = _replicated(a.hidden_size, a.head_dim, quant_config, f"{prefix}.wkv")
+        self.kv_norm = V41Norm(a.head_dim, a.rms_norm_eps)
+        # Grouped output projection: each output group reads its own heads.
+        self.wo_a = ColumnParallelLinear(
+            a.num_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank, bias=False,
+            quant_config=quant_config, prefix=f"{prefix}.wo_a", return_bias=False,
+        )
+        self.wo_b = V41RowParallelLinear(
+            a.o_groups * a.o_lora_rank, a.hidden_size, quant_config=quant_config, prefix=f"{prefix}.wo_b"
+        )
+        self.attn_sink = held(self.num_local_heads, dtype=torch.float32)
+        self.attn_sink.weight_loader = self._load_sink
+        self.compressor = (
+            Compressor(a, role.ratio, quant_config, f"{prefix}.compressor") if role.is_kv_source else None
+        )
+        self.indexer = (
+            Indexer(a, role.is_kv_source, quant_config, f"{prefix}.indexer") if role.is_index_source else None
+        )
 
         # Caches: this layer's own window; KV sources own the compressed and
         # index caches (+ the ratio-2 ring); other layers read their source's.
@@ -99,6 +134,9 @@ class V41Attention(nn.Module):
         self._kv_source: list[V41Attention] = []
         # "torch" (the reference path) or "triton"; chosen on the first forward.
         self._kernels: str | None = None
+
+    def _load_sink(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded[self.head_start : self.head_start + self.num_local_heads])
 
     def bind_kv_source(self, source: "V41Attention") -> None:
         self._kv_source[:] = [source]
@@ -118,22 +156,26 @@ class V41Attention(nn.Module):
         dtype = x.dtype
         pos = state.positions
 
-        c_q = rms_norm(linear(x, self.wq_a), self.q_norm, a.rms_norm_eps)
-        q = linear(c_q, self.wq_b).view(T, a.num_heads, a.head_dim)
+        c_q = self.q_norm(self.wq_a(x))
+        q = self.wq_b(c_q).view(T, self.num_local_heads, a.head_dim)
         q = self._rope(q, pos)
-        kv = rms_norm(linear(x, self.wkv), self.kv_norm, a.rms_norm_eps)
+        kv = self.kv_norm(self.wkv(x))
         kv = self._rope(kv, pos)
 
-        if self._use_kernels(x):
+        if not state.has_caches:
+            # Profiling / dummy run: each token attends to its own key only.
+            ones = torch.ones(T, 1, dtype=torch.bool, device=x.device)
+            o = sparse_attention(q, kv.unsqueeze(1), ones, self.attn_sink, a.head_dim**-0.5)
+        elif self._use_kernels(x):
             o = self._attend_with_kernels(x, c_q, q, kv, state, write_compressed)
         else:
             o = self._attend_reference(x, c_q, q, kv, state, write_compressed)
         o = self._rope(o, pos, inverse=True)
-        group_in = o.reshape(T, a.o_groups, -1)
-        wo_a = self.wo_a.view(a.o_groups, a.o_lora_rank, -1)
-        acc = acc_dtype(dtype)
-        z = torch.einsum("tgi,goi->tgo", group_in.to(acc), wo_a.to(acc)).to(dtype)
-        return linear(z.reshape(T, -1), self.wo_b)
+        group_in = o.reshape(T, self.num_local_groups, -1)
+        wo_a = self.wo_a.quant_method.decoded(self.wo_a, acc_dtype(dtype))
+        wo_a = wo_a.view(self.num_local_groups, a.o_lora_rank, -1)
+        z = torch.einsum("tgi,goi->tgo", group_in.to(wo_a.dtype), wo_a).to(dtype)
+        return self.wo_b(z.reshape(T, -1))
 
     def _attend_reference(self, x, c_q, q, kv, state: StepState, write_compressed: bool) -> torch.Tensor:
         """Cache writes, selection and attention with the PyTorch reference operators."""
@@ -203,11 +245,11 @@ class V41Attention(nn.Module):
         pos = state.positions.to(dev)
         req = state.token_req.to(dev)
         if r == 1:
-            lat = linear(x, comp.wkv)
+            lat = linear(comp.wkv, x)
             entry_req, entry = req, pos
         else:
-            u = gemm(x, comp.wkv, torch.float32)
-            g = gemm(x, comp.wgate, torch.float32)
+            u = linear(comp.wkv, x, torch.float32)
+            g = linear(comp.wgate, x, torch.float32)
             rows = torch.cat([u, g], dim=-1)
             ring = RingView(self.ring_cache, state)
             on_ring = ring.rows.device
@@ -236,10 +278,10 @@ class V41Attention(nn.Module):
                 pair_g = torch.stack([first_rows[:, a.head_dim :], g[closes]], dim=1)
                 lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1), acc_dtype(x.dtype)).to(x.dtype)
             entry = second // 2
-        lat = rms_norm(lat, comp.norm, a.rms_norm_eps)
+        lat = comp.norm(lat)
         first_pos = entry * r
         idx = self.indexer
-        k = rms_norm(linear(lat, idx.wk), idx.k_norm, a.rms_norm_eps)
+        k = idx.k_norm(linear(idx.wk, lat))
         for cache, rows_out in ((self.compressed_cache, lat), (self.index_cache, k)):
             view = PagedView(cache, state)
             rotated = self._rope(rows_out, first_pos)
@@ -255,11 +297,11 @@ class V41Attention(nn.Module):
         r = self.role.ratio
         T = x.shape[0]
         idx = self.indexer
-        qi = linear(c_q, idx.wq_b).view(T, a.index_n_heads, a.index_head_dim)
+        qi = linear(idx.wq_b, c_q).view(T, a.index_n_heads, a.index_head_dim)
         qi = quant.mxfp4_qdq(self._rope(qi, state.positions))
         # DeepInfer drops the 1/sqrt(dk * heads) weight scale: it is 2^-6 for
         # Flash's shapes, so dropping it cannot change any comparison.
-        w = linear(x, idx.weights_proj)
+        w = linear(idx.weights_proj, x)
         visible = (state.positions + 1) // r
         source = self.kv_source
         keys_view = PagedView(source.index_cache, state)

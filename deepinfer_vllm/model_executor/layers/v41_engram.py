@@ -1,15 +1,18 @@
-"""Engram conditional memory on the CPU path (spec §8)."""
+"""Engram conditional memory (spec §8): FP8 row tables split over the expert group."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.linear import ColumnParallelLinear
+
 from deepinfer_vllm.attention_backends.cache_layout import CacheDecl
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, all_reduce, gather_tokens, token_counts
 from deepinfer_vllm.model_executor.layers.step_state import StepState
-from deepinfer_vllm.model_executor.layers.weights import dense, linear
+from deepinfer_vllm.model_executor.layers.weights import held
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.engram import (
     ENGRAM_BEFORE_START,
@@ -25,9 +28,11 @@ from deepinfer_vllm.ops.engram import (
 class EngramTables:
     """Hash constants shared by all Engram layers, derived once from the config."""
 
-    def __init__(self, arch: V41Arch, old2new: torch.Tensor):
-        self.old2new = old2new
+    def __init__(self, arch: V41Arch):
+        self.old2new: torch.Tensor | None = None
+        self.pad_id: int | None = None
         self.max_ngram = arch.engram_max_ngram_size
+        self.pad_token_id = arch.engram_pad_token_id
         primes = engram_primes(
             arch.engram_layer_ids, arch.engram_max_ngram_size, arch.engram_n_heads, arch.engram_vocab_size
         )
@@ -37,7 +42,11 @@ class EngramTables:
             layer: engram_multipliers(layer, arch.engram_max_ngram_size, arch.engram_compressed_vocab_size)
             for layer in arch.engram_layer_ids
         }
-        self.pad_id = int(old2new[arch.engram_pad_token_id])
+
+    def set_vocab(self, old2new: torch.Tensor) -> None:
+        """Raw id -> compressed id, derived from the checkpoint's tokenizer at load time."""
+        self.old2new = old2new
+        self.pad_id = int(old2new[self.pad_token_id])
 
     def ngram_ids(self, raw_history: torch.Tensor, is_image_history: torch.Tensor) -> torch.Tensor:
         """``raw_history [T, max_ngram]`` raw ids at ``p - s`` (-1 before the start)."""
@@ -73,24 +82,72 @@ class TokenHistory(nn.Module):
         return torch.where(valid, ids, torch.full_like(ids, -1))
 
 
-class V41Engram(nn.Module):
-    """One Engram layer: FP8 row table, ``wkv`` projection, per-stream gate."""
+class EngramTable(nn.Module):
+    """One Engram table as released (E4M3 rows, UE8M0 per 1x32), its rows split over
+    vLLM's expert group: this rank holds rows ``[row0, row0 + rows)`` and a lookup
+    gathers every row from its owner."""
 
-    def __init__(self, arch: V41Arch, layer_id: int, num_rows: int):
+    def __init__(self, num_rows: int, dim: int, layout: ParallelLayout):
+        super().__init__()
+        self.layout = layout
+        self.row0, n = layout.engram_rows(num_rows)
+        self.weight = held(n, dim, dtype=torch.float8_e4m3fn)
+        self.scale = held(n, dim // 32, dtype=torch.float8_e8m0fnu)
+        for p in (self.weight, self.scale):
+            p.weight_loader = self._load_rows
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        src = loaded.narrow(0, self.row0, param.shape[0])
+        param.data.copy_(src.view(param.dtype) if src.element_size() == 1 else src)
+
+    def _owned(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows held here, decoded to ``dtype``; zeros for rows held elsewhere."""
+        n = self.weight.shape[0]
+        if n == 0:
+            return torch.zeros(*rows.shape, self.weight.shape[1], dtype=dtype, device=rows.device)
+        local = rows - self.row0
+        owned = (local >= 0) & (local < n)
+        safe = torch.where(owned, local, torch.zeros_like(local))
+        emb = quant.dequant_fp8_rows(self.weight[safe], self.scale[safe], dtype)
+        return emb.masked_fill_(~owned.unsqueeze(-1), 0.0)
+
+    def lookup(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``rows [T, cols]`` (global row ids) -> decoded rows ``[T, cols, dim]`` in ``dtype``."""
+        layout = self.layout
+        if layout.moe_size == 1:
+            return quant.dequant_fp8_rows(self.weight[rows], self.scale[rows], dtype)
+        from vllm.distributed import get_dp_group, get_ep_group
+
+        T = rows.shape[0]
+        if layout.dp_size > 1:
+            dp = get_dp_group()
+            counts = token_counts(dp, T, rows.device)
+            rows = gather_tokens(dp, rows, counts, fill=self.row0)
+        # Every row has one owner, so the sum over ranks is that row, exactly.
+        emb = all_reduce(get_ep_group(), self._owned(rows, dtype))
+        if layout.dp_size > 1:
+            start = layout.dp_rank * max(counts)
+            emb = emb[start : start + T]
+        return emb
+
+
+class V41Engram(nn.Module):
+    """One Engram layer: the FP8 row table, ``wkv`` (column-parallel, gathered) and the
+    per-stream gate weights (replicated)."""
+
+    def __init__(self, arch: V41Arch, layer_id: int, num_rows: int, quant_config, layout: ParallelLayout, prefix: str):
         super().__init__()
         self.layer_id = layer_id
         self.eps = arch.rms_norm_eps
-        n_cols = (arch.engram_max_ngram_size - 1) * arch.engram_n_heads
+        n_cols = arch.engram_n_columns
         dim = arch.engram_head_dim
-        # The table stays FP8 (it is the largest tensor of the release);
-        # only looked-up rows are dequantised.
-        self.register_buffer("embed_codes", torch.empty(num_rows, dim, dtype=torch.uint8), persistent=False)
-        self.register_buffer(
-            "embed_scale", torch.empty(num_rows, dim // 32, dtype=torch.uint8), persistent=False
+        self.embed = EngramTable(num_rows, dim, layout)
+        self.wkv = ColumnParallelLinear(
+            n_cols * dim, (arch.hc_mult + 1) * arch.hidden_size, bias=False, gather_output=True,
+            quant_config=quant_config, prefix=f"{prefix}.wkv", return_bias=False,
         )
-        self.wkv = dense((arch.hc_mult + 1) * arch.hidden_size, n_cols * dim)
-        self.q_weight = dense(arch.hc_mult, arch.hidden_size)
-        self.k_weight = dense(arch.hc_mult, arch.hidden_size)
+        self.q_weight = held(arch.hc_mult, arch.hidden_size, dtype=torch.bfloat16)
+        self.k_weight = held(arch.hc_mult, arch.hidden_size, dtype=torch.bfloat16)
 
     def forward(
         self,
@@ -106,6 +163,6 @@ class V41Engram(nn.Module):
             tables.primes[self.layer_id],
             tables.offsets[self.layer_id],
         )
-        emb = quant.dequant_fp8_rows(self.embed_codes[rows], self.embed_scale[rows], streams.dtype)
-        kv = linear(emb.flatten(1), self.wkv)
+        emb = self.embed.lookup(rows, streams.dtype)
+        kv = self.wkv(emb.flatten(1))
         return engram_gate_update(streams, kv, self.q_weight, self.k_weight, self.eps, is_image)

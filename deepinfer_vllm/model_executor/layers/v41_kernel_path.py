@@ -56,9 +56,9 @@ def select(attn: "V41Attention", x: torch.Tensor, c_q: torch.Tensor, state: Step
     dev = x.device
     idx = attn.indexer
     pos = state.positions.to(dev)
-    qi = linear(c_q, idx.wq_b).view(T, a.index_n_heads, a.index_head_dim)
+    qi = linear(idx.wq_b, c_q).view(T, a.index_n_heads, a.index_head_dim)
     qi = quant.mxfp4_qdq(attn._rope(qi, pos))
-    w = linear(x, idx.weights_proj)
+    w = linear(idx.weights_proj, x)
     keys = PagedView(attn.kv_source.index_cache, state)
     candidates = state.candidates.get(KEPT_BLOCKS) if attn.role.uses_candidates else None
     topk, kept = indexer_topk(

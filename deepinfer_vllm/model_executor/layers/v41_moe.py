@@ -1,36 +1,149 @@
-"""V4.1 mixture of experts on the CPU path (spec §7)."""
+"""V4.1 mixture of experts (spec §7) with routed experts held as released (packed E2M1).
+
+Routing is ``ops.moe.route_sqrtsoftplus`` on this rank's tokens. The routed
+experts are split over vLLM's expert group (``layers.parallel``): whole
+experts with ``enable_expert_parallel``, otherwise a slice of every expert's
+intermediate dimension. Tokens of other data-parallel ranks are gathered, each
+rank adds what its experts give every token, and one all-reduce in the
+accumulation dtype sums the ranks. Rounding follows ``ops.moe.moe_forward``
+(each expert's output rounded to the activation dtype, the token's experts
+and the shared expert summed in the accumulation dtype, one final rounding),
+so one rank computes exactly what the reference computes.
+
+vLLM's FusedMoE has no CPU method for these formats, and its all-to-all
+needs collectives vLLM's CPU communicator lacks, so the MoE is ours; its
+collectives (all-gather, all-reduce) work on gloo and NCCL alike.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from deepinfer_vllm.model_executor.layers.weights import dense, stacked, vector
-from deepinfer_vllm.ops.moe import moe_forward, route_sqrtsoftplus
+from vllm.model_executor.layers.linear import ColumnParallelLinear
 
+from deepinfer_vllm.model_executor.layers.dequant import gemm_fp4
+from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, all_reduce, gather_tokens, token_counts
+from deepinfer_vllm.model_executor.layers.weights import V41RowParallelLinear, held
+from deepinfer_vllm.ops.moe import route_sqrtsoftplus, swiglu_clamped
+from deepinfer_vllm.ops.numerics import acc_dtype
 
-class SharedExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.w1 = dense(inter, hidden)
-        self.w3 = dense(inter, hidden)
-        self.w2 = dense(hidden, inter)
+_PROJECTIONS = ("w1", "w2", "w3")
 
 
 class Gate(nn.Module):
+    """Router weight (bf16) and its fp32 selection biases, replicated."""
+
     def __init__(self, n_experts: int, hidden: int):
         super().__init__()
-        self.weight = dense(n_experts, hidden)
-        self.bias = vector(n_experts)
-        self.bias_vl = vector(n_experts)
+        self.weight = held(n_experts, hidden, dtype=torch.bfloat16)
+        self.bias = held(n_experts, dtype=torch.float32)
+        self.bias_vl = held(n_experts, dtype=torch.float32)
+
+
+class SharedExpert(nn.Module):
+    """The shared expert: ``w1``/``w3`` column-parallel, ``w2`` row-parallel (FP8 32x32)."""
+
+    def __init__(self, hidden: int, inter: int, quant_config, prefix: str):
+        super().__init__()
+        for name in ("w1", "w3"):
+            setattr(
+                self,
+                name,
+                ColumnParallelLinear(
+                    hidden, inter, bias=False, quant_config=quant_config, prefix=f"{prefix}.{name}",
+                    return_bias=False,
+                ),
+            )
+        self.w2 = V41RowParallelLinear(inter, hidden, quant_config=quant_config, prefix=f"{prefix}.w2")
+
+    def forward(self, x: torch.Tensor, limit: float) -> torch.Tensor:
+        act = swiglu_clamped(self.w1(x), self.w3(x), limit)
+        return self.w2(act.to(x.dtype))
+
+
+class RoutedExperts(nn.Module):
+    """This rank's routed experts: ``w1``/``w3`` ``[E_local, inter_local, hidden / 2]`` and
+    ``w2`` ``[E_local, hidden, inter_local / 2]`` packed E2M1 (the checkpoint's int8
+    bytes), each with its UE8M0 ``*_scale`` per 1x32."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int, layout: ParallelLayout):
+        super().__init__()
+        self.local = layout.local_experts(n_experts)
+        self.col0, width = layout.expert_inter(inter)
+        # Without expert parallelism over several ranks, each holds a slice of
+        # every expert and partial down projections are summed before rounding.
+        self.split = layout.moe_size > 1 and not layout.expert_parallel
+        n = len(self.local)
+        shapes = {"w1": (width, hidden), "w3": (width, hidden), "w2": (hidden, width)}
+        for name, (rows, cols) in shapes.items():
+            setattr(self, name, held(n, rows, cols // 2, dtype=torch.int8))
+            setattr(self, f"{name}_scale", held(n, rows, cols // 32, dtype=torch.float8_e8m0fnu))
+
+    def load_expert(self, proj: str, kind: str, expert: int, loaded: torch.Tensor) -> bool:
+        """Copy this rank's part of checkpoint tensor ``experts.{expert}.{proj}.{kind}``;
+        False when the expert lives on another rank."""
+        if expert not in self.local:
+            return False
+        param = getattr(self, proj if kind == "weight" else f"{proj}_scale")
+        dest = param.data[expert - self.local.start]
+        per_byte = 2 if kind == "weight" else 32  # columns per stored element
+        if proj == "w2":  # split along the input (intermediate) columns
+            src = loaded.narrow(1, self.col0 // per_byte, dest.shape[1])
+        else:
+            src = loaded.narrow(0, self.col0, dest.shape[0])
+        dest.copy_(src.view(dest.dtype) if src.element_size() == 1 else src)
+        return True
+
+    def _expert(self, i: int, x: torch.Tensor, row_w: torch.Tensor, limit: float, out_dtype) -> torch.Tensor:
+        gate = gemm_fp4(x, self.w1[i], self.w1_scale[i])
+        up = gemm_fp4(x, self.w3[i], self.w3_scale[i])
+        act = swiglu_clamped(gate, up, limit)
+        act = act * row_w.to(act.dtype).unsqueeze(-1)
+        return gemm_fp4(act.to(x.dtype), self.w2[i], self.w2_scale[i], out_dtype)
+
+    def partial(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float) -> torch.Tensor:
+        """What this rank's experts contribute, in the accumulation dtype.
+
+        Whole experts: ``[N, hidden]``, each expert's output rounded and summed
+        over the token's experts (ascending ids). Split experts: the unrounded
+        partial down projection of every (token, choice) ``[N * k, hidden]``,
+        to be summed over the ranks and then ``combine``d.
+        """
+        N, k = ids.shape
+        acc = acc_dtype(x.dtype)
+        flat_ids = ids.reshape(-1)
+        flat_w = weights.reshape(-1).to(acc)
+        flat_rows = torch.arange(N, device=x.device).repeat_interleave(k)
+        rows_out = N * k if self.split else N
+        out = torch.zeros(rows_out, self.w2.shape[1], dtype=acc, device=x.device)
+        live = (flat_ids >= self.local.start) & (flat_ids < self.local.stop)
+        for e in torch.unique(flat_ids[live]).tolist():
+            sel = (flat_ids == e).nonzero(as_tuple=True)[0]
+            rows = flat_rows[sel]
+            i = e - self.local.start
+            if self.split:
+                out[sel] = self._expert(i, x[rows], flat_w[sel], limit, acc)
+            else:
+                out.index_add_(0, rows, self._expert(i, x[rows], flat_w[sel], limit, x.dtype).to(acc))
+        return out
+
+    @staticmethod
+    def combine(summed: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Split experts: round each (token, choice) to ``dtype`` and sum a token's
+        choices in ascending expert order, as one rank would."""
+        N, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        flat_rows = torch.arange(N, device=summed.device).repeat_interleave(k)
+        out = torch.zeros(N, summed.shape[1], dtype=summed.dtype, device=summed.device)
+        for e in torch.unique(flat_ids[flat_ids >= 0]).tolist():
+            sel = (flat_ids == e).nonzero(as_tuple=True)[0]
+            out.index_add_(0, flat_rows[sel], summed[sel].to(dtype).to(summed.dtype))
+        return out
 
 
 class V41MoE(nn.Module):
-    """Sqrt-softplus routing with bias-steered top-k, clamped SwiGLU experts.
-
-    Routed experts are stacked ``[E, N, K]``; the loader scatters the
-    checkpoint's per-expert tensors into them.
-    """
+    """Sqrt-softplus routing with bias-steered top-k, clamped SwiGLU experts (spec §7)."""
 
     def __init__(
         self,
@@ -42,6 +155,9 @@ class V41MoE(nn.Module):
         norm_topk_prob: bool,
         swiglu_limit: float,
         image_token_id: int | None,
+        quant_config,
+        layout: ParallelLayout,
+        prefix: str,
     ):
         super().__init__()
         self.top_k = top_k
@@ -49,11 +165,10 @@ class V41MoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.swiglu_limit = swiglu_limit
         self.image_token_id = image_token_id
+        self.layout = layout
         self.gate = Gate(n_experts, hidden)
-        self.w1 = stacked(n_experts, inter, hidden)
-        self.w3 = stacked(n_experts, inter, hidden)
-        self.w2 = stacked(n_experts, hidden, inter)
-        self.shared_experts = SharedExpert(hidden, inter)
+        self.experts = RoutedExperts(n_experts, hidden, inter, layout)
+        self.shared_experts = SharedExpert(hidden, inter, quant_config, f"{prefix}.shared_experts")
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         is_image = None
@@ -69,5 +184,27 @@ class V41MoE(nn.Module):
             bias_vl=self.gate.bias_vl,
             is_image=is_image,
         )
-        shared = (self.shared_experts.w1, self.shared_experts.w3, self.shared_experts.w2)
-        return moe_forward(x, weights, ids, self.w1, self.w3, self.w2, self.swiglu_limit, shared=shared)
+        T = x.shape[0]
+        layout = self.layout
+        if layout.dp_size > 1:
+            from vllm.distributed import get_dp_group
+
+            dp = get_dp_group()
+            counts = token_counts(dp, T, x.device)
+            x_all = gather_tokens(dp, x, counts)
+            w_all = gather_tokens(dp, weights, counts)
+            ids_all = gather_tokens(dp, ids, counts, fill=-1)
+        else:
+            x_all, w_all, ids_all = x, weights, ids
+        routed = self.experts.partial(x_all, w_all, ids_all, self.swiglu_limit)
+        if layout.moe_size > 1:
+            from vllm.distributed import get_ep_group
+
+            routed = all_reduce(get_ep_group(), routed)
+        if self.experts.split:
+            routed = RoutedExperts.combine(routed, ids_all, x.dtype)
+        if layout.dp_size > 1:
+            start = layout.dp_rank * max(counts)
+            routed = routed[start : start + T]
+        routed = routed + self.shared_experts(x, self.swiglu_limit).to(routed.dtype)
+        return routed.to(x.dtype)

@@ -1,14 +1,11 @@
-"""Parameter holders and the one GEMM convention of the CPU path.
+"""Parameters that are not linears: held in the dtype the checkpoint stores them.
 
 Every holder names its dtype: vLLM builds models under the model dtype as
-torch's default dtype, which would silently round fp32 checkpoint tensors
-(mHC projections, sinks) to bf16.
-
-Checkpoint weights are FP8/FP4; they are dequantised once at load time. The
-values are exact in bf16 (e4m3 and e2m1 codes times a power of two), and the
-CPU path keeps them in fp32 so every GEMM is an fp32 GEMM whose result is
-rounded once to the activation dtype, exactly as the per-operator references
-in ``deepinfer_vllm.ops`` compute. (AVX2 CPUs have no fast bf16 GEMM anyway.)
+torch's default dtype, which would round fp32 checkpoint tensors (mHC
+projections, sinks, routing biases) or widen bf16 ones. The operators upcast
+what they read to the accumulation dtype, so holding the stored values is
+exact. Linears are vLLM's parallel linear layers with
+``DeepInferV41QuantConfig`` (``model_executor.quantization``).
 """
 
 from __future__ import annotations
@@ -16,22 +13,59 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_vllm.ops.numerics import gemm
+from vllm.distributed import get_tp_group
+from vllm.model_executor.layers.linear import RowParallelLinear
+
+from deepinfer_vllm.model_executor.layers.parallel import all_reduce
+from deepinfer_vllm.ops.norm import rms_norm
+from deepinfer_vllm.ops.numerics import acc_dtype
+
+__all__ = ["V41Norm", "V41RowParallelLinear", "held", "linear"]
 
 
-def dense(out_features: int, in_features: int) -> nn.Parameter:
-    """An fp32 weight ``[out, in]`` filled by the loader."""
-    return nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32), requires_grad=False)
+def held(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised parameter of the checkpoint's dtype, filled by the loader."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def vector(n: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
-    return nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False)
+class V41Norm(nn.Module):
+    """RMSNorm with the release's bf16 weight (``ops.norm.rms_norm``: fp32 statistics,
+    one rounding to the input dtype)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = held(dim, dtype=torch.bfloat16)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
-def stacked(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+def linear(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A replicated linear's GEMM rounded to ``out_dtype`` (default ``x.dtype``).
+
+    Only for layers without a TP split: it calls the quant method directly, so
+    a parallel layer's collectives would be skipped.
+    """
+    return layer.quant_method.apply(layer, x, out_dtype=out_dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` accumulated in ``acc_dtype(x.dtype)``, rounded once to ``x.dtype``."""
-    return gemm(x, weight)
+class V41RowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` whose TP partial sums are reduced before the one rounding.
+
+    Each rank's partial product stays in the accumulation dtype through the
+    all-reduce and the sum is rounded once to the input dtype, so a split
+    projection rounds where the unsplit one does (summing rounded partials
+    would not).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, quant_config, prefix: str):
+        super().__init__(
+            input_size, output_size, bias=False, quant_config=quant_config, prefix=prefix, return_bias=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = self.quant_method.apply(self, x, out_dtype=acc_dtype(x.dtype))
+        if self.tp_size > 1:
+            partial = all_reduce(get_tp_group(), partial)
+        return partial.to(x.dtype)

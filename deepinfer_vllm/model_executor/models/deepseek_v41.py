@@ -1,44 +1,57 @@
-"""DeepSeek-V4.1-Flash for vLLM, DeepInfer's implementation (CPU path).
+"""DeepSeek-V4.1-Flash for vLLM, DeepInfer's implementation.
 
 Structure follows spec §4: embedding broadcast to ``hc_mult`` residual streams,
-40 blocks with single-pass mHC (the input of a sublayer is collapsed with the
+blocks with single-pass mHC (the input of a sublayer is collapsed with the
 pre-mix of the previous site), CSA2 attention, MoE, Engram at its layers, and a
 final collapse with the last FFN site's pre-mix. The causal encoder/decoder
-split matters only to prefill truncation (``DEEPINFER_YOCO_*``).
+split matters only to prefill truncation (``DEEPINFER_YOCO_PREFILL_TRUNCATION_*``).
 
-Weights arrive in the released format (FP8 blocks, packed FP4 experts, FP8
-Engram rows) and are dequantised once while loading; the checkpoint header is
-validated against the format before any tensor is read.
+Weights stay in the released formats (``layers.dequant``): vLLM's parallel
+linear, embedding and head layers with ``DeepInferV41QuantConfig``, routed
+experts as packed E2M1, Engram rows as E4M3. Tensor, data and expert
+parallelism come from vLLM's flags and groups (``layers.parallel``). The
+checkpoint stream vLLM hands over is validated tensor by tensor against the
+format (``checkpoint``), and every problem is reported at once.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import make_layers
 
 from deepinfer_vllm import envs
 from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
 from deepinfer_vllm.model_executor import checkpoint
+from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_parallel
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 from deepinfer_vllm.model_executor.layers.v41_engram import EngramTables, TokenHistory, V41Engram
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
-from deepinfer_vllm.model_executor.layers.weights import dense, vector
+from deepinfer_vllm.model_executor.layers.weights import V41Norm, held
+from deepinfer_vllm.model_executor.quantization import DeepInferV41QuantConfig
 from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand, hc_mix, identity_pre
-from deepinfer_vllm.ops.norm import rms_norm
-from deepinfer_vllm.ops.numerics import acc_dtype, gemm
 from deepinfer_vllm.ops.rope import build_rope_cache
 
 logger = logging.getLogger(__name__)
+
+# Checkpoint names -> parameters where the two differ (everything else is the same name).
+_HC = re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+# Groups the text backbone validates but does not hold until a feature runs them.
+NOT_HELD = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 
 class HyperConnection(nn.Module):
@@ -46,10 +59,9 @@ class HyperConnection(nn.Module):
 
     def __init__(self, arch: V41Arch):
         super().__init__()
-        hc = arch.hc_mult
-        self.fn = dense(hc * (hc + 2), hc * arch.hidden_size)
-        self.base = vector(hc * (hc + 2))
-        self.scale = vector(3)
+        self.fn = held(arch.hc_mix_dim, arch.hc_mult * arch.hidden_size, dtype=torch.float32)
+        self.base = held(arch.hc_mix_dim, dtype=torch.float32)
+        self.scale = held(3, dtype=torch.float32)
         self.arch = arch
 
     def mix(self, streams: torch.Tensor):
@@ -67,15 +79,17 @@ class DeepseekV41Block(nn.Module):
         rope_cache: torch.Tensor,
         prefix: str,
         cache_layers: dict[str, V41CacheLayer],
+        quant_config,
+        layout: ParallelLayout,
     ):
         super().__init__()
         self.arch = arch
         self.role = role
-        self.attn_norm = vector(arch.hidden_size)
-        self.ffn_norm = vector(arch.hidden_size)
+        self.attn_norm = V41Norm(arch.hidden_size, arch.rms_norm_eps)
+        self.ffn_norm = V41Norm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_attn = HyperConnection(arch)
         self.hc_ffn = HyperConnection(arch)
-        self.attn = V41Attention(arch, role, rope_cache, f"{prefix}.attn", cache_layers)
+        self.attn = V41Attention(arch, role, rope_cache, f"{prefix}.attn", cache_layers, quant_config, layout)
         self.ffn = V41MoE(
             arch.hidden_size,
             arch.moe_intermediate_size,
@@ -85,21 +99,25 @@ class DeepseekV41Block(nn.Module):
             arch.norm_topk_prob,
             arch.swiglu_limit,
             arch.image_token_id,
+            quant_config,
+            layout,
+            prefix=f"{prefix}.ffn",
         )
         self.engram = None
         if role.has_engram:
             idx = list(arch.engram_layer_ids).index(role.layer_id)
-            self.engram = V41Engram(arch, role.layer_id, arch.engram_num_embeddings[idx])
+            self.engram = V41Engram(
+                arch, role.layer_id, arch.engram_num_embeddings[idx], quant_config, layout, f"{prefix}.engram"
+            )
 
     def forward(self, streams, pre_in, input_ids, state: StepState, engram_inputs, keep_rows=None):
         """One block; with ``keep_rows`` (compact truncation boundary) the
         compressor still sees every row, everything after it only those rows."""
-        eps = self.arch.rms_norm_eps
         if self.engram is not None:
             ngram_ids, tables, is_image = engram_inputs
             streams = self.engram(streams, ngram_ids, tables, is_image)
         pre_a, post_a, comb_a = self.hc_attn.mix(streams)
-        x = rms_norm(hc_collapse(streams, pre_in), self.attn_norm, eps)
+        x = self.attn_norm(hc_collapse(streams, pre_in))
         write_compressed = True
         if keep_rows is not None:
             self.attn.write_compressed(x, state)
@@ -108,57 +126,70 @@ class DeepseekV41Block(nn.Module):
             x, input_ids, state = x[keep_rows], input_ids[keep_rows], state.subset(keep_rows)
         streams = hc_expand(self.attn(x, state, write_compressed), streams, post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn.mix(streams)
-        x = rms_norm(hc_collapse(streams, pre_a), self.ffn_norm, eps)
+        x = self.ffn_norm(hc_collapse(streams, pre_a))
         streams = hc_expand(self.ffn(x, input_ids), streams, post_f, comb_f)
         return streams, pre_f, input_ids, state
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    """vLLM entry class; overrides vLLM's in-tree GPU-only V4.1 class."""
+    """vLLM entry class of DeepSeek-V4.1 (registered by ``deepinfer_vllm.register``)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         model_config = vllm_config.model_config
+        self.model_config = model_config
         self.arch = arch = V41Arch.from_config(model_config.hf_config)
+        par = vllm_config.parallel_config
+        check_parallel(
+            arch,
+            par.tensor_parallel_size,
+            par.data_parallel_size,
+            par.pipeline_parallel_size,
+            bool(par.enable_expert_parallel),
+        )
+        self.layout = layout = ParallelLayout.from_vllm(vllm_config)
         self.dtype = model_config.dtype
-        self.model_dir = Path(model_config.model)
         self.yoco_mode, self.yoco_keep = envs.yoco_settings(arch.sliding_window)
         if self.yoco_mode == "compact" and any(i >= arch.first_decoder_layer for i in arch.engram_layer_ids):
             raise ValueError("compact prefill truncation needs every Engram layer before the decoder half")
+        quant_config = vllm_config.quant_config
+        if not isinstance(quant_config, DeepInferV41QuantConfig):
+            released = getattr(model_config.hf_config, "quantization_config", None) or {}
+            quant_config = DeepInferV41QuantConfig(dict(released))
+        quant_config.bind_format(arch)
 
-        main_rope = build_rope_cache(arch.rope_dim, arch.max_position_embeddings, arch.rope_theta, None)
-        comp_rope = build_rope_cache(
-            arch.rope_dim, arch.max_position_embeddings, arch.compress_rope_theta, arch.rope_scaling
-        )
+        # Rope tables cover the positions this engine can reach.
+        self.rope_len = int(model_config.max_model_len)
+        main_rope = build_rope_cache(arch.rope_dim, self.rope_len, arch.rope_theta, None)
+        comp_rope = build_rope_cache(arch.rope_dim, self.rope_len, arch.compress_rope_theta, arch.rope_scaling)
         self.cache_layers: dict[str, V41CacheLayer] = {}
-        self.embed = dense(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV41Block(
-                arch,
-                role,
-                main_rope if role.ratio == 0 else comp_rope,
-                f"layers.{role.layer_id}",
-                self.cache_layers,
-            )
-            for role in arch.roles
+        self.embed = VocabParallelEmbedding(
+            arch.vocab_size, arch.hidden_size, quant_config=quant_config, prefix="embed"
         )
-        for block in self.layers:
-            role = block.role
+
+        def block(prefix: str) -> DeepseekV41Block:
+            role = arch.roles[int(prefix.rsplit(".", 1)[1])]
+            rope = main_rope if role.ratio == 0 else comp_rope
+            return DeepseekV41Block(arch, role, rope, prefix, self.cache_layers, quant_config, layout)
+
+        _, _, self.layers = make_layers(arch.num_layers, block, prefix="layers")
+        for layer in self.layers:
+            role = layer.role
             if role.ratio > 0:
-                block.attn.bind_kv_source(self.layers[role.kv_source].attn)
-        self.norm = vector(arch.hidden_size)
-        self.head = dense(arch.vocab_size, arch.hidden_size)
+                layer.attn.bind_kv_source(self.layers[role.kv_source].attn)
+        self.norm = V41Norm(arch.hidden_size, arch.rms_norm_eps)
+        self.head = ParallelLMHead(arch.vocab_size, arch.hidden_size, quant_config=quant_config, prefix="head")
+        self.logits_processor = LogitsProcessor(arch.vocab_size)
 
         self.engram_tables: EngramTables | None = None
         self.token_history: TokenHistory | None = None
         if arch.engram_layer_ids:
             history = next(d for d in model_caches(arch) if d.kind == "tokens")
             self.token_history = TokenHistory(history, self.cache_layers)
-            self.engram_tables = EngramTables(arch, _engram_vocab_map(model_config, arch))
-
-        # Weights that load now and run in later work (vision tower, DSpark):
-        # kept as raw checkpoint tensors, validated with the rest.
-        self.deferred = nn.Module()
+            self.engram_tables = EngramTables(arch)
+        # Element size of the checkpoint tensor each parameter was loaded from
+        # (``tools.weight_bytes`` compares resident bytes with checkpoint bytes).
+        self.checkpoint_element_size: dict[str, int] = {}
 
         block_size = vllm_config.cache_config.block_size
         per_token = bytes_per_token([c.decl for c in self.cache_layers.values()], block_size)
@@ -170,7 +201,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # --------------------------------------------------------------- forward
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed[input_ids].to(self.dtype)
+        return self.embed(input_ids).to(self.dtype)
 
     def forward(
         self,
@@ -182,30 +213,36 @@ class DeepseekV41ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         arch = self.arch
         attn_metadata = get_forward_context().attn_metadata
-        if not attn_metadata:
-            # Profiling / dummy run without caches: nothing to attend to.
-            return torch.zeros(positions.shape[0], arch.hidden_size, dtype=self.dtype, device=positions.device)
-        state = StepState.from_metadata(attn_metadata, next(iter(self.cache_layers)))
+        if attn_metadata:
+            state = StepState.from_metadata(attn_metadata, next(iter(self.cache_layers)))
+        else:
+            # vLLM's profiling and data-parallel dummy runs: the whole model
+            # runs (real activations, every collective), nothing is cached.
+            state = StepState.without_caches(positions.clamp(max=self.rope_len - 1))
         T = state.num_tokens
         input_ids = input_ids[:T]
         x = inputs_embeds[:T] if inputs_embeds is not None else self.embed_input_ids(input_ids)
         streams = x.unsqueeze(1).expand(T, arch.hc_mult, arch.hidden_size).contiguous()
-        pre = identity_pre(T, arch.hc_mult)
+        pre = identity_pre(T, arch.hc_mult, device=x.device)
         is_image = input_ids == arch.image_token_id
         engram_inputs = None
         if self.token_history is not None:
-            raw = self.token_history.record_and_read(input_ids, state, arch.engram_max_ngram_size)
+            if state.has_caches:
+                raw = self.token_history.record_and_read(input_ids, state, arch.engram_max_ngram_size)
+            else:
+                raw = torch.full((T, arch.engram_max_ngram_size), -1, dtype=torch.int64, device=x.device)
+                raw[:, 0] = input_ids
             history_image = raw == arch.image_token_id
             ngram_ids = self.engram_tables.ngram_ids(raw, history_image)
             engram_inputs = (ngram_ids, self.engram_tables, is_image)
         rows = torch.arange(T)
-        compact_rows = self._apply_yoco(state)
+        compact_rows = self._apply_yoco(state) if state.has_caches else None
         for block in self.layers:
             keep = compact_rows if block.role.layer_id == arch.first_decoder_layer else None
             streams, pre, input_ids, state = block(streams, pre, input_ids, state, engram_inputs, keep)
             if keep is not None:
                 rows = rows[keep]
-        h = rms_norm(hc_collapse(streams, pre), self.norm, arch.rms_norm_eps)
+        h = self.norm(hc_collapse(streams, pre))
         # Rows a compact prefill dropped are never sampled (their request's
         # last row is always kept); they come out as zeros.
         out = torch.zeros(positions.shape[0], arch.hidden_size, dtype=h.dtype, device=h.device)
@@ -241,80 +278,79 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # The head is bf16 in the release; logits are fp32 (DeepInfer).
-        return gemm(hidden_states, self.head, torch.float32)
+        return self.logits_processor(self.head, hidden_states)
 
     # --------------------------------------------------------------- loading
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        arch = self.arch
-        found = checkpoint.read_safetensors_index(self.model_dir)
-        checkpoint.validate_checkpoint_index(arch, found)
+        """Load the checkpoint stream vLLM resolved (hub id, folder or cache alike).
+
+        Every tensor is checked against the format as it arrives; DSpark and
+        vision tensors are validated and dropped (not held until a feature
+        runs them); once the stream ends, every missing, unknown, mis-shaped
+        or mis-typed tensor is reported in one ``CheckpointFormatError``.
+        """
+        specs = checkpoint.expected_tensors(self.arch)
         params = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
+        experts = {name: module for name, module in self.named_modules() if name.endswith(".ffn.experts")}
+        found: dict[str, tuple[tuple[int, ...], str]] = {}
         loaded: set[str] = set()
-        for name, tensor in checkpoint.iter_dequantized(arch, weights, torch.float32):
-            target = self._target_name(name)
-            if target is None:
-                self._store_deferred(name, tensor)
+        for raw_name, tensor in weights:
+            name = checkpoint.canonical_name(raw_name)
+            found[raw_name] = (tuple(tensor.shape), checkpoint.safetensors_dtype(tensor.dtype))
+            spec = specs.get(name)
+            if spec is None or tuple(tensor.shape) != spec.shape or not spec.accepts(found[raw_name][1]):
+                continue  # reported by the validation below
+            if name.startswith(NOT_HELD):
                 continue
-            dest, index = target
-            holder = params.get(dest)
-            if holder is None:
-                holder = buffers[dest]
-            slot = holder.data if index is None else holder.data[index]
-            if slot.shape != tensor.shape:
-                raise checkpoint.CheckpointFormatError(
-                    f"tensor {name!r}: shape {tuple(tensor.shape)} does not fit {dest} {tuple(slot.shape)}"
-                )
-            slot.copy_(tensor.to(slot.dtype))
-            loaded.add(dest)
-        # Hold weights in the accumulation dtype (values are exact either way).
-        acc = acc_dtype(self.dtype)
-        for param in params.values():
-            if param.is_floating_point():
-                param.data = param.data.to(acc)
+            m = _EXPERT.match(name)
+            if m:
+                module, index, proj, kind = m.groups()
+                if experts[module].load_expert(proj, kind, int(index), tensor):
+                    target = f"{module}.{proj}" if kind == "weight" else f"{module}.{proj}_scale"
+                    loaded.add(target)
+                    self.checkpoint_element_size[target] = tensor.element_size()
+                continue
+            hc = _HC.match(name)
+            target = f"{hc[1]}.hc_{hc[2]}.{hc[3]}" if hc else name
+            param = params.get(target)
+            if param is None:
+                raise checkpoint.CheckpointFormatError(f"tensor {raw_name!r} has no parameter {target!r}")
+            self._load_param(param, tensor)
+            loaded.add(target)
+            self.checkpoint_element_size[target] = tensor.element_size()
+        checkpoint.validate_checkpoint_index(self.arch, found)
         missing = set(params) - loaded
         if missing:
-            raise checkpoint.CheckpointFormatError(f"parameters not loaded: {sorted(missing)[:8]}")
-        return set(params)
+            raise checkpoint.CheckpointFormatError(
+                f"parameters not loaded: {sorted(missing)[:8]}", [f"parameter {m!r} not loaded" for m in missing]
+            )
+        if self.engram_tables is not None:
+            self.engram_tables.set_vocab(_engram_vocab_map(self.model_config, self.arch))
+        self._log_resident_bytes()
+        return loaded
 
-    def _target_name(self, name: str) -> tuple[str, int | None] | None:
-        """Map a checkpoint name to ``(parameter, expert index)``; None = deferred."""
-        parts = name.split(".")
-        if parts[0] in ("embed", "head") and parts[1] == "weight":
-            return parts[0], None
-        if name == "norm.weight":
-            return "norm", None
-        if parts[0] != "layers":
-            return None
-        prefix = ".".join(parts[:2])
-        rest = ".".join(parts[2:])
-        for site in ("attn", "ffn"):
-            for field in ("fn", "base", "scale"):
-                if rest == f"hc_{site}_{field}":
-                    return f"{prefix}.hc_{site}.{field}", None
-        if rest in ("attn_norm.weight", "ffn_norm.weight"):
-            return f"{prefix}.{rest[:-7]}", None
-        if rest == "attn.attn_sink":
-            return f"{prefix}.attn.attn_sink", None
-        if rest.endswith("_norm.weight") or rest.endswith(".norm.weight"):
-            return f"{prefix}.{rest[:-7]}", None
-        if rest.startswith("ffn.experts."):
-            _, _, expert, proj, _ = rest.split(".")
-            return f"{prefix}.ffn.{proj}", int(expert)
-        if rest.startswith("ffn.gate."):
-            return f"{prefix}.{rest}", None
-        if rest == "engram.embed.weight":
-            return f"{prefix}.engram.embed_codes", None
-        if rest == "engram.embed.scale":
-            return f"{prefix}.engram.embed_scale", None
-        if rest in ("engram.q_weight", "engram.k_weight"):
-            return f"{prefix}.{rest}", None
-        if rest.endswith(".weight"):
-            return f"{prefix}.{rest[:-7]}", None
-        raise checkpoint.CheckpointFormatError(f"unexpected tensor {name!r}")
+    def _log_resident_bytes(self) -> None:
+        from deepinfer_vllm.model_executor.weight_bytes import weight_bytes
 
-    def _store_deferred(self, name: str, tensor: torch.Tensor) -> None:
-        self.deferred.register_buffer(name.replace(".", "__"), tensor, persistent=False)
+        rows = weight_bytes(self)
+        lay = self.layout
+        logger.info(
+            "DeepInfer V4.1 weights resident on tp %d/%d dp %d/%d (expert group rank %d/%d, %s): %s",
+            lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, lay.moe_rank, lay.moe_size,
+            "whole experts" if lay.expert_parallel else "expert slices",
+            ", ".join(f"{c} {r['resident']} B (checkpoint {r['checkpoint']} B)" for c, r in rows.items() if r["resident"]),
+        )
+
+    @staticmethod
+    def _load_param(param: nn.Parameter, tensor: torch.Tensor) -> None:
+        """Copy through the parameter's loader; one-byte formats are reinterpreted
+        (never converted), an accepted alternative float dtype is adopted as stored."""
+        if tensor.element_size() == 1 and param.element_size() == 1:
+            tensor = tensor.view(param.dtype)
+        elif tensor.dtype != param.dtype:
+            param.data = torch.empty_like(param.data, dtype=tensor.dtype)
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor)
 
 
 def _engram_vocab_map(model_config, arch: V41Arch) -> torch.Tensor:
