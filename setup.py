@@ -31,6 +31,8 @@ setup(
         "vllm.platform_plugins": ["deepinfer_cpu = deepinfer_vllm.platforms:cpu_platform_plugin"],
         "console_scripts": [
             "deepinfer-make-checkpoint = deepinfer_vllm.tools.make_checkpoint:main",
+            "deepinfer-memory-plan = deepinfer_vllm.tools.memory_plan:main",
+            "deepinfer-weight-bytes = deepinfer_vllm.tools.weight_bytes:main",
         ],
     },
 )

@@ -21,17 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 def _configure_logging() -> None:
-    """Route the plugin's log records through vLLM's handlers (vLLM configures only
-    its own ``vllm`` logger, so ours would otherwise be dropped)."""
-    ours = logging.getLogger(__name__)
-    if ours.handlers:
-        return
-    theirs = logging.getLogger("vllm")
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if theirs.handlers:
-        ours.setLevel(theirs.level)
-        ours.propagate = False
+    """Send the plugin's log records through vLLM's ``vllm`` logger: vLLM configures
+    only that logger (level and handlers, possibly after this runs), so records of a
+    logger outside it would be dropped."""
+    logging.getLogger(__name__).parent = logging.getLogger("vllm")
 
 
 def serving_class() -> str:

@@ -39,7 +39,7 @@ from deepinfer_vllm.configs.deepseek_v41 import ConfigError, DeepseekV41Config, 
 from deepinfer_vllm.model_executor import checkpoint as ckpt
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer, engram_primes
-from deepinfer_vllm.tools.presets import PRESETS, get_preset
+from deepinfer_vllm.tools.presets import PRESETS, WEIGHT_PRESETS, get_preset
 from deepinfer_vllm.tools.tokenizer_builder import (
     build_v41_tokenizer,
     build_wordlevel_tokenizer,
@@ -232,6 +232,7 @@ def make_checkpoint(
     tokenizer: str = "v41",
     include_vision: bool = True,
     include_mtp: bool = True,
+    config_only: bool = False,
 ) -> Path:
     """Write a complete random-weight checkpoint directory and return its path.
 
@@ -241,6 +242,13 @@ def make_checkpoint(
     directory is self-consistent.
     """
     out = Path(out_dir)
+    if config_only:
+        return write_config(out, preset=preset, config=config)
+    if config is None and (preset or "tiny") not in WEIGHT_PRESETS:
+        raise ValueError(
+            f"preset {preset!r} is the released size; its weights are not generated here. "
+            "Write its config.json alone with config_only=True (--config-only)."
+        )
     out.mkdir(parents=True, exist_ok=True)
     base = _released_layout(config) if config is not None else get_preset(preset or "tiny")
     tok = _build_tokenizer(tokenizer, base["text_config"]["vocab_size"])
@@ -265,6 +273,19 @@ def make_checkpoint(
     return out
 
 
+def write_config(out_dir: str | Path, preset: str | None = None, config: Mapping[str, Any] | None = None) -> Path:
+    """Write only ``config.json`` and ``generation_config.json`` (no weights, no
+    tokenizer): enough for sizing tools such as ``deepinfer-memory-plan``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _released_layout(config) if config is not None else get_preset(preset or "tiny")
+    arch = V41Arch.from_config(cfg)
+    generation = {"bos_token_id": arch.bos_token_id, "eos_token_id": arch.eos_token_id, "pad_token_id": arch.pad_token_id}
+    _write_json(out / "generation_config.json", generation)
+    _write_json(out / "config.json", {**cfg, "transformers_version": transformers.__version__})
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``deepinfer-make-checkpoint`` console entry point."""
     parser = argparse.ArgumentParser(
@@ -282,8 +303,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-mtp", action="store_true", help="no DSpark stages (num_nextn_predict_layers = 0)"
     )
+    parser.add_argument(
+        "--config-only", action="store_true", help="write config.json alone (the only choice for --preset flash)"
+    )
     args = parser.parse_args(argv)
     config = json.loads(Path(args.config).read_text()) if args.config else None
+    if args.config_only:
+        path = write_config(args.out, preset=args.preset, config=config)
+        print(f"wrote {path / 'config.json'}", file=sys.stderr)
+        return 0
+    if config is None and args.preset not in WEIGHT_PRESETS:
+        parser.error(f"--preset {args.preset} is the released size; add --config-only to write its config.json")
     path = make_checkpoint(
         args.out,
         preset=args.preset,

@@ -1,4 +1,4 @@
-"""config.json presets for random-weight V4.1 checkpoints.
+"""config.json presets: ``tiny`` and ``small`` for random-weight checkpoints, ``flash`` the release.
 
 ``tiny`` is the spec's test configuration (§18.1) verbatim, except that
 ``engram_compressed_vocab_size`` is left for the maker: it must equal the class
@@ -6,6 +6,7 @@ count of whatever tokenizer is written next to the weights. ``small`` changes
 every dimension that tiny keeps at a coincidental value (heads per group,
 ranks, window, three n-gram orders, one DSpark stage owning both the first- and
 last-stage heads, a wider vision tower), so shape mix-ups show up.
+``flash`` is the released configuration (spec §2), used without weights.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["PRESETS", "get_preset"]
+__all__ = ["PRESETS", "WEIGHT_PRESETS", "flash_config", "get_preset"]
 
 # spec §2.4: the released quantisation (identical for every preset).
 _QUANTIZATION = {
@@ -179,37 +180,10 @@ _SMALL_VISION = {
     "max_image_tokens": 64,
 }
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        **_TOP_LEVEL,
-        "quantization_config": _QUANTIZATION,
-        "text_config": _TINY_TEXT,
-        "vision_config": _TINY_VISION,
-    },
-    "small": {
-        **_TOP_LEVEL,
-        "quantization_config": _QUANTIZATION,
-        "text_config": _SMALL_TEXT,
-        "vision_config": _SMALL_VISION,
-    },
-}
-
-
-def get_preset(name: str) -> dict[str, Any]:
-    """A deep copy of preset ``name`` (callers may edit it freely)."""
-    try:
-        return copy.deepcopy(PRESETS[name])
-    except KeyError:
-        raise KeyError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
-
-
-def flash_config() -> dict:
-    """The released Flash config.json as spec §2.2-§2.4 describe it.
-
-    For sizing and validation only (caches, roles, tensor shapes): a checkpoint
-    of this config is far too large to generate here, so it is not a preset.
-    """
-    return {
+# The released Flash config.json as spec §2.2-§2.4 describe it, at its real
+# size: for sizing, validation and memory plans (``deepinfer-memory-plan``);
+# ``make_checkpoint`` writes its config only (the weights are ~0.75 TB).
+_FLASH = {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
         "dtype": "bfloat16",
@@ -302,3 +276,35 @@ def flash_config() -> dict:
             "max_wh_ratio": None,
         },
     }
+
+# Presets whose random weights ``make_checkpoint`` writes.
+WEIGHT_PRESETS = ("tiny", "small")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        **_TOP_LEVEL,
+        "quantization_config": _QUANTIZATION,
+        "text_config": _TINY_TEXT,
+        "vision_config": _TINY_VISION,
+    },
+    "small": {
+        **_TOP_LEVEL,
+        "quantization_config": _QUANTIZATION,
+        "text_config": _SMALL_TEXT,
+        "vision_config": _SMALL_VISION,
+    },
+    "flash": _FLASH,
+}
+
+
+def get_preset(name: str) -> dict[str, Any]:
+    """A deep copy of preset ``name`` (callers may edit it freely)."""
+    try:
+        return copy.deepcopy(PRESETS[name])
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
+
+
+def flash_config() -> dict:
+    """The released Flash config.json (a deep copy of preset ``flash``)."""
+    return get_preset("flash")

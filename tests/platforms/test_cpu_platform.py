@@ -50,3 +50,45 @@ def test_sparse_selector_routes_v41_to_our_backend():
     with pytest.raises(NotImplementedError):
         CpuPlatform.get_attn_backend_cls(None, sparse)  # what stock vLLM does for V4.1
     assert DeepInferCpuPlatform.get_attn_backend_cls(None, sparse) == V41_BACKEND
+
+
+@pytest.mark.parametrize(
+    "settings, names",
+    [
+        (dict(tensor_parallel_size=3), "tensor parallel size \\(3\\)"),  # vLLM's own head check
+        (dict(pipeline_parallel_size=2), "Pipeline parallelism is not supported"),
+        (dict(data_parallel_size=3, enable_expert_parallel=True), "data_parallel_size=3 .* n_routed_experts=8"),
+        (dict(tensor_parallel_size=2, data_parallel_size=2), "moe_intermediate_size=64 .* enable_expert_parallel"),
+    ],
+)
+def test_parallel_settings_v41_cannot_split_are_refused_by_name(tiny_checkpoint, settings, names):
+    """Refused while the config is built, in the user's process, naming the setting."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import deepinfer_vllm
+
+    deepinfer_vllm.register()
+    with pytest.raises(Exception, match=names):
+        EngineArgs(model=tiny_checkpoint, **settings).create_engine_config()
+
+
+def test_parallel_rules():
+    from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+    from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_parallel
+    from deepinfer_vllm.tools.presets import flash_config
+
+    flash = V41Arch.from_config(flash_config())
+    for tp, dp, ep in ((8, 1, False), (1, 8, True), (8, 1, True), (2, 4, True), (4, 2, False)):
+        check_parallel(flash, tp, dp, 1, ep)
+    with pytest.raises(ValueError, match="o_groups=8"):
+        check_parallel(flash, 16, 1, 1, True)  # 64 heads split, but not 8 output groups
+    with pytest.raises(ValueError, match="moe_intermediate_size=2304"):
+        check_parallel(flash, 1, 16, 1, False)  # 2304 / 16 = 144 columns: not whole FP4 scale blocks
+    # Whole experts, contiguous ids, by vLLM's EP rank (dp_rank * tp + tp_rank).
+    lay = ParallelLayout(tp_size=2, tp_rank=1, dp_size=4, dp_rank=2, expert_parallel=True)
+    assert lay.moe_rank == 5 and lay.local_experts(384) == range(240, 288)
+    assert lay.expert_inter(2304) == (0, 2304)
+    lay = ParallelLayout(tp_size=8, tp_rank=3)
+    assert lay.local_experts(384) == range(384) and lay.expert_inter(2304) == (864, 288)
+    # Engram rows: ceil(rows / ranks) each, the remainder last.
+    assert [ParallelLayout(tp_size=4, tp_rank=r).engram_rows(10) for r in range(4)] == [(0, 3), (3, 3), (6, 3), (9, 1)]

@@ -14,7 +14,7 @@ from deepinfer_vllm.configs.deepseek_v41 import ConfigError, V41Arch
 from deepinfer_vllm.model_executor import checkpoint as ckpt
 from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer
 from deepinfer_vllm.tools.make_checkpoint import main, make_checkpoint, random_tensors, resolve_config
-from deepinfer_vllm.tools.presets import PRESETS, get_preset
+from deepinfer_vllm.tools.presets import PRESETS, WEIGHT_PRESETS, get_preset
 from deepinfer_vllm.tools.tokenizer_builder import (
     CHAT_TOKENS,
     build_v41_tokenizer,
@@ -191,9 +191,20 @@ def test_small_preset_builds_and_validates(tmp_path: Path) -> None:
 
 
 def test_presets_validate() -> None:
-    for name, preset in PRESETS.items():
-        arch = V41Arch.from_config(preset)
+    for name in WEIGHT_PRESETS:
+        arch = V41Arch.from_config(PRESETS[name])
         assert arch.engram_layer_ids == (1,), name
+    assert V41Arch.from_config(PRESETS["flash"]).engram_layer_ids == (1, 14)
+
+
+def test_flash_preset_writes_its_config_only(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="config_only"):
+        make_checkpoint(tmp_path / "w", preset="flash")
+    out = make_checkpoint(tmp_path / "c", preset="flash", config_only=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json"]
+    written = json.loads((out / "config.json").read_text())
+    assert written["text_config"]["engram_num_embeddings"] == [384006168, 384016682]
+    assert V41Arch.from_config(written).n_routed_experts == 384
 
 
 def test_inconsistent_engram_rows_are_rejected() -> None:

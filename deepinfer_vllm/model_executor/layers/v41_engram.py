@@ -38,15 +38,19 @@ class EngramTables:
         )
         self.primes = primes
         self.offsets = {layer: engram_offsets(p) for layer, p in primes.items()}
-        self.multipliers = {
-            layer: engram_multipliers(layer, arch.engram_max_ngram_size, arch.engram_compressed_vocab_size)
-            for layer in arch.engram_layer_ids
-        }
+        self.multipliers: dict[int, list[int]] = {}
+        self._arch = arch
 
     def set_vocab(self, old2new: torch.Tensor) -> None:
-        """Raw id -> compressed id, derived from the checkpoint's tokenizer at load time."""
+        """Raw id -> compressed id, derived from the checkpoint's tokenizer at load time
+        (the hash multipliers depend on the compressed vocabulary's size)."""
+        a = self._arch
         self.old2new = old2new
         self.pad_id = int(old2new[self.pad_token_id])
+        self.multipliers = {
+            layer: engram_multipliers(layer, a.engram_max_ngram_size, a.engram_compressed_vocab_size)
+            for layer in a.engram_layer_ids
+        }
 
     def ngram_ids(self, raw_history: torch.Tensor, is_image_history: torch.Tensor) -> torch.Tensor:
         """``raw_history [T, max_ngram]`` raw ids at ``p - s`` (-1 before the start)."""

@@ -1,0 +1,187 @@
+"""V4.1 split over vLLM's process groups on CPU: tensor parallelism through ``vllm.LLM``, and
+data + expert parallelism through vLLM's OpenAI server (``LLM`` refuses
+``data_parallel_size``). Both give the one-rank greedy tokens, prompt logprobs within
+1e-3, and each rank holds its share of the weights, measured in the running workers.
+
+Two CPU workers on a 2-core host need ``VLLM_CPU_OMP_THREADS_BIND="0|1"``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index
+from deepinfer_vllm.model_executor.weight_bytes import component_of
+
+BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
+TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def _header_bytes(model_dir: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, (shape, dtype) in read_safetensors_index(model_dir).items():
+        out[component_of(name)] = out.get(component_of(name), 0) + BYTES[dtype] * math.prod(shape)
+    return out
+
+
+def _logprob_error(reference, prompts, per_prompt_logprobs) -> float:
+    """Largest |logprob - reference| over every prompt position after the first."""
+    worst = 0.0
+    for prompt, got in zip(prompts, per_prompt_logprobs):
+        ref = torch.log_softmax(reference.forward(prompt).double(), dim=-1)
+        for pos in range(1, len(prompt)):
+            worst = max(worst, abs(got(pos, prompt[pos]) - ref[pos - 1, prompt[pos]].item()))
+    return worst
+
+
+# ------------------------------------------------------------------ tensor parallel
+@pytest.fixture(scope="module")
+def tp_llm(tiny_checkpoint):
+    from vllm import LLM
+
+    saved = {k: os.environ.get(k) for k in TWO_WORKERS}
+    os.environ.update(TWO_WORKERS)
+    engine = LLM(model=tiny_checkpoint, dtype="float32", max_model_len=512, seed=0, tensor_parallel_size=2)
+    yield engine
+    del engine
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_tp2_greedy_and_logprobs_match_one_rank(tp_llm, acceptance_prompts, reference_greedy, tiny_reference):
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    outs = tp_llm.generate([{"prompt_token_ids": p} for p in acceptance_prompts], greedy)
+    # One rank equals the reference token for token (test_llm_matches_reference).
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference_greedy
+    worst = _logprob_error(
+        tiny_reference, acceptance_prompts, [lambda pos, tok, o=o: o.prompt_logprobs[pos][tok].logprob for o in outs]
+    )
+    print(f"TP=2 prompt logprobs: max |d| = {worst:.2e}")
+    assert worst < 1e-3
+
+
+def test_tp2_each_rank_holds_half_the_split_weights(tp_llm, tiny_checkpoint):
+    header = _header_bytes(tiny_checkpoint)
+    reports = tp_llm.collective_rpc("deepinfer_weight_bytes")
+    assert len(reports) == 2
+    for rows in reports:
+        # Experts (intermediate slices), Engram rows and the vocab shards: exactly half.
+        for comp in ("experts", "engram", "embedding_head"):
+            assert rows[comp]["resident"] * 2 == header[comp], (comp, rows[comp], header[comp])
+        # Heads, output groups and the shared expert are split; the latent KV,
+        # compressor, indexer, norms and mHC are replicated.
+        assert rows["dense"]["resident"] < header["dense"]
+        assert rows["dspark"]["resident"] == rows["vision"]["resident"] == 0
+        assert rows["total"]["resident"] / rows["total"]["checkpoint"] <= 1.05
+    assert reports[0]["dense"] == reports[1]["dense"]
+
+
+# ------------------------------------------------------ data + expert parallel (server)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_checkpoint, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("dp") / "server.log"
+    env = {**os.environ, **TWO_WORKERS, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", tiny_checkpoint, "--served-model-name", "tiny",
+        "--data-parallel-size", "2", "--enable-expert-parallel",
+        "--dtype", "float32", "--max-model-len", "512", "--seed", "0", "--port", str(port),
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(log_path.read_text()[-4000:])
+            time.sleep(2)
+        yield url, log_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _complete(url: str, prompt: list[int]) -> dict:
+    body = {
+        "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+        "prompt_logprobs": 0, "return_token_ids": True,
+    }
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()["choices"][0]
+
+
+def test_dp2_ep_server_greedy_and_logprobs_match_one_rank(
+    dp_server, acceptance_prompts, reference_greedy, tiny_reference
+):
+    url, log_path = dp_server
+    # Concurrent requests: vLLM's balancer spreads them over both data-parallel
+    # engines, and the idle one runs dummy batches through the same collectives.
+    with cf.ThreadPoolExecutor(len(acceptance_prompts)) as pool:
+        choices = list(pool.map(lambda p: _complete(url, p), acceptance_prompts))
+    assert [c["token_ids"] for c in choices] == reference_greedy
+    worst = _logprob_error(
+        tiny_reference,
+        acceptance_prompts,
+        [lambda pos, tok, c=c: c["prompt_logprobs"][pos][str(tok)]["logprob"] for c in choices],
+    )
+    print(f"DP=2 + EP prompt logprobs: max |d| = {worst:.2e}")
+    assert worst < 1e-3
+    # Both engines served prompts (vLLM's per-engine stats lines).
+    served = set()
+    deadline = time.time() + 30
+    while len(served) < 2 and time.time() < deadline:
+        for engine, rate in re.findall(r"Engine (\d+): Avg prompt throughput: ([\d.]+)", log_path.read_text()):
+            if float(rate) > 0:
+                served.add(engine)
+        time.sleep(1)
+    assert served == {"000", "001"}, served
+
+
+def test_dp2_ep_each_rank_holds_half_the_experts_and_engram(dp_server, tiny_checkpoint):
+    _, log_path = dp_server
+    header = _header_bytes(tiny_checkpoint)
+    # Each worker logs what it holds after loading, measured from its parameters.
+    lines = re.findall(r"weights resident on tp 0/1 dp (\d)/2 \(expert group rank \d/2, whole experts\): (.*)", log_path.read_text())
+    ranks = {dp: dict((c, int(b)) for c, b in re.findall(r"(\w+) (\d+) B \(checkpoint", rest)) for dp, rest in lines}
+    assert set(ranks) == {"0", "1"}, lines
+    for rows in ranks.values():
+        for comp in ("experts", "engram"):
+            assert rows[comp] * 2 == header[comp], (comp, rows[comp], header[comp])
+        # Attention is data-parallel: dense weights, embedding and head are whole on every rank.
+        assert rows["dense"] == header["dense"]
+        assert rows["embedding_head"] == header["embedding_head"]
