@@ -88,9 +88,10 @@ class V41Fp8LinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequant.gemm_fp8(x, layer.weight, layer.scale, out_dtype)
 
-    def decoded(self, layer, dtype: torch.dtype) -> torch.Tensor:
-        """The whole weight decoded into the workspace (for GEMMs that are not ``x @ W.T``)."""
-        return dequant.decode_fp8_block(layer.weight, layer.scale, dtype)
+    def apply_rows(self, layer, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``x @ W[rows].T`` for a block of whole 32-row tiles (a group of a grouped GEMM)."""
+        scale = layer.scale[rows.start // TILE : rows.stop // TILE]
+        return dequant.gemm_fp8(x, layer.weight[rows], scale)
 
 
 class _StoredWeight:
@@ -122,8 +123,8 @@ class V41StoredLinearMethod(_StoredWeight, LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequant.gemm_stored(x, layer.weight, out_dtype)
 
-    def decoded(self, layer, dtype: torch.dtype) -> torch.Tensor:
-        return dequant.decode_stored(layer.weight, dtype)
+    def apply_rows(self, layer, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        return dequant.gemm_stored(x, layer.weight[rows])
 
 
 class V41EmbeddingMethod(_StoredWeight, QuantizeMethodBase):

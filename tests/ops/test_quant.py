@@ -211,6 +211,26 @@ def test_ue8m0_decode():
         assert_same_float(q.ue8m0_decode(every), every.view(torch.float8_e8m0fnu).float())
 
 
+def test_ue8m0_lookup_equals_its_definition():
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    assert_same_float(q.ue8m0_decode(every), q.ue8m0_decode_bits(every))
+    grid = every[torch.randperm(256, generator=torch.Generator().manual_seed(0))].view(16, 16)
+    assert_same_float(q.ue8m0_decode(grid), q.ue8m0_decode_bits(grid))
+
+
+def test_weight_decoders_into_a_workspace_equal_the_references():
+    """The per-GEMM decoders (fp32 and fp64 outputs) give the reference dequantisers' values."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 160, generator=g) * 3
+    codes, scales = q.quant_fp8_block(w)
+    packed, row_scales = q.quant_fp4_rows(torch.randn(2, 40, 96, generator=g))
+    for dtype in (torch.float32, torch.float64):
+        out = q.dequant_fp8_block_into(torch.empty(96, 160, dtype=dtype), codes, scales)
+        assert_same_float(out, q.dequant_fp8_block(codes, scales, 32, torch.float32).to(dtype))
+        out = q.dequant_fp4_rows_into(torch.empty(2, 40, 96, dtype=dtype), packed, row_scales)
+        assert_same_float(out, q.dequant_fp4_rows(packed, row_scales, torch.float32).to(dtype))
+
+
 def test_ue8m0_encode_exponent_clamps():
     e = torch.tensor([0, 1, -1, -127, 127, -300, 300])
     assert q.ue8m0_encode_exponent(e).tolist() == [127, 128, 126, 0, 254, 0, 254]

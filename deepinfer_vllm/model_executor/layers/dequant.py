@@ -8,7 +8,7 @@ bf16 models, fp64 for fp32 models), and multiplies. The decoded values are
 exact, so the products are those of a model holding dequantised weights; the
 workspace is reused by every GEMM of every layer, and weights with many rows
 are decoded and multiplied a row block at a time, so it never holds more than
-``WORKSPACE_ELEMENTS`` values (splitting the output rows of a GEMM leaves
+``WORKSPACE_ELEMENTS`` values per decode (splitting the output rows of a GEMM leaves
 every output element's sum unchanged).
 """
 
@@ -31,8 +31,10 @@ __all__ = [
     "workspace",
 ]
 
-# 2**22 values: 32 MiB of fp64, 16 MiB of fp32.
-WORKSPACE_ELEMENTS = 1 << 22
+# 2**20 values (4 MiB of fp32, 8 MiB of fp64): a decoded block stays in cache
+# for its GEMM (benchmarks/README.md, "resident formats": 2**22 made the
+# head's decode-and-multiply twice as slow as 2**20).
+WORKSPACE_ELEMENTS = 1 << 20
 FP8_TILE = 32
 
 
@@ -92,11 +94,10 @@ def _row_blocks(rows: int, cols: int, align: int) -> list[tuple[int, int]]:
 def _gemm_blocks(x: torch.Tensor, rows: int, cols: int, align: int, decode, out_dtype) -> torch.Tensor:
     acc = acc_dtype(x.dtype)
     xa = x.to(acc)
-    blocks = _row_blocks(rows, cols, align)
-    if len(blocks) == 1:
+    if rows * cols <= WORKSPACE_ELEMENTS:
         return (xa @ decode(0, rows, acc).t()).to(out_dtype)
     out = torch.empty(*x.shape[:-1], rows, dtype=out_dtype, device=x.device)
-    for lo, hi in blocks:
+    for lo, hi in _row_blocks(rows, cols, align):
         out[..., lo:hi] = (xa @ decode(lo, hi, acc).t()).to(out_dtype)
     return out
 

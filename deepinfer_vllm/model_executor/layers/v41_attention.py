@@ -171,11 +171,19 @@ class V41Attention(nn.Module):
         else:
             o = self._attend_reference(x, c_q, q, kv, state, write_compressed)
         o = self._rope(o, pos, inverse=True)
-        group_in = o.reshape(T, self.num_local_groups, -1)
-        wo_a = self.wo_a.quant_method.decoded(self.wo_a, acc_dtype(dtype))
-        wo_a = wo_a.view(self.num_local_groups, a.o_lora_rank, -1)
-        z = torch.einsum("tgi,goi->tgo", group_in.to(wo_a.dtype), wo_a).to(dtype)
-        return self.wo_b(z.reshape(T, -1))
+        return self.wo_b(self._grouped_wo_a(o.reshape(T, self.num_local_groups, -1)))
+
+    def _grouped_wo_a(self, group_in: torch.Tensor) -> torch.Tensor:
+        """Output group ``g`` of this rank reads its own heads: ``z_g = x_g @ W_g.T`` with
+        ``W_g`` rows ``g * o_lora_rank ...`` of ``wo_a``, one group decoded at a time."""
+        T, groups, _ = group_in.shape
+        rank = self.arch.o_lora_rank
+        method, w = self.wo_a.quant_method, self.wo_a
+        z = torch.empty(T, groups, rank, dtype=group_in.dtype, device=group_in.device)
+        for g in range(groups):
+            rows = slice(g * rank, (g + 1) * rank)
+            z[:, g] = method.apply_rows(w, group_in[:, g], rows)
+        return z.reshape(T, -1)
 
     def _attend_reference(self, x, c_q, q, kv, state: StepState, write_compressed: bool) -> torch.Tensor:
         """Cache writes, selection and attention with the PyTorch reference operators."""

@@ -63,9 +63,10 @@ class SharedExpert(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """This rank's routed experts: ``w1``/``w3`` ``[E_local, inter_local, hidden / 2]`` and
-    ``w2`` ``[E_local, hidden, inter_local / 2]`` packed E2M1 (the checkpoint's int8
-    bytes), each with its UE8M0 ``*_scale`` per 1x32."""
+    """This rank's routed experts, packed E2M1 (the checkpoint's int8 bytes) with their
+    UE8M0 ``*_scale`` per 1x32: ``w13`` ``[E_local, 2 * inter_local, hidden / 2]`` (the
+    checkpoint's ``w1`` rows, then ``w3``'s: gate and up in one GEMM) and ``w2``
+    ``[E_local, hidden, inter_local / 2]``."""
 
     def __init__(self, n_experts: int, hidden: int, inter: int, layout: ParallelLayout):
         super().__init__()
@@ -74,30 +75,34 @@ class RoutedExperts(nn.Module):
         # Without expert parallelism over several ranks, each holds a slice of
         # every expert and partial down projections are summed before rounding.
         self.split = layout.moe_size > 1 and not layout.expert_parallel
+        self.width = width
         n = len(self.local)
-        shapes = {"w1": (width, hidden), "w3": (width, hidden), "w2": (hidden, width)}
-        for name, (rows, cols) in shapes.items():
+        for name, (rows, cols) in {"w13": (2 * width, hidden), "w2": (hidden, width)}.items():
             setattr(self, name, held(n, rows, cols // 2, dtype=torch.int8))
             setattr(self, f"{name}_scale", held(n, rows, cols // 32, dtype=torch.float8_e8m0fnu))
+
+    def param_name(self, proj: str, kind: str) -> str:
+        """The parameter holding checkpoint tensor ``experts.E.{proj}.{kind}``."""
+        name = "w2" if proj == "w2" else "w13"
+        return name if kind == "weight" else f"{name}_scale"
 
     def load_expert(self, proj: str, kind: str, expert: int, loaded: torch.Tensor) -> bool:
         """Copy this rank's part of checkpoint tensor ``experts.{expert}.{proj}.{kind}``;
         False when the expert lives on another rank."""
         if expert not in self.local:
             return False
-        param = getattr(self, proj if kind == "weight" else f"{proj}_scale")
-        dest = param.data[expert - self.local.start]
+        dest = getattr(self, self.param_name(proj, kind)).data[expert - self.local.start]
         per_byte = 2 if kind == "weight" else 32  # columns per stored element
         if proj == "w2":  # split along the input (intermediate) columns
             src = loaded.narrow(1, self.col0 // per_byte, dest.shape[1])
         else:
-            src = loaded.narrow(0, self.col0, dest.shape[0])
+            dest = dest[: self.width] if proj == "w1" else dest[self.width :]
+            src = loaded.narrow(0, self.col0, self.width)
         dest.copy_(src.view(dest.dtype) if src.element_size() == 1 else src)
         return True
 
     def _expert(self, i: int, x: torch.Tensor, row_w: torch.Tensor, limit: float, out_dtype) -> torch.Tensor:
-        gate = gemm_fp4(x, self.w1[i], self.w1_scale[i])
-        up = gemm_fp4(x, self.w3[i], self.w3_scale[i])
+        gate, up = gemm_fp4(x, self.w13[i], self.w13_scale[i]).split(self.width, dim=-1)
         act = swiglu_clamped(gate, up, limit)
         act = act * row_w.to(act.dtype).unsqueeze(-1)
         return gemm_fp4(act.to(x.dtype), self.w2[i], self.w2_scale[i], out_dtype)

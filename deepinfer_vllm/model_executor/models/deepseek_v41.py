@@ -306,7 +306,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if m:
                 module, index, proj, kind = m.groups()
                 if experts[module].load_expert(proj, kind, int(index), tensor):
-                    target = f"{module}.{proj}" if kind == "weight" else f"{module}.{proj}_scale"
+                    target = f"{module}.{experts[module].param_name(proj, kind)}"
                     loaded.add(target)
                     self.checkpoint_element_size[target] = tensor.element_size()
                 continue
