@@ -93,3 +93,33 @@ def test_cpu_platform_hooks_we_override():
 def test_cpu_worker_modules_exist(mod):
     importlib = __import__("importlib")
     assert importlib.import_module(mod) is not None
+
+
+def test_parallel_layers_and_groups_we_build_on():
+    """The model's layers are vLLM's, with our quant methods; weights are loaded by their
+    v1 loaders (narrowing by ``output_dim``/``input_dim``); collectives use the
+    coordinators' torch.distributed groups; the memory planner swaps the group globals."""
+    import inspect
+
+    from vllm.distributed import parallel_state as ps
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbeddingShardIndices
+
+    from deepinfer_vllm.model_executor.quantization import V41Fp8LinearMethod
+
+    # Our methods take the v1 loaders (the v2 list names vLLM's own classes only).
+    assert "V41Fp8LinearMethod" not in linear.WEIGHT_LOADER_V2_SUPPORTED
+    for cls in (linear.ColumnParallelLinear, linear.RowParallelLinear):
+        assert "output_dim" in inspect.getsource(cls.weight_loader) or "input_dim" in inspect.getsource(cls.weight_loader)
+    assert "self.quant_method.apply(self, input_parallel, bias_)" in inspect.getsource(linear.RowParallelLinear.forward)
+    assert "quant_method.apply" in inspect.getsource(LogitsProcessor._apply_head)
+    assert {"org_vocab_start_index", "org_vocab_end_index"} <= {
+        f.name for f in dataclasses.fields(VocabParallelEmbeddingShardIndices)
+    }
+    for name in ("_TP", "_PP", "_DP", "_EP"):
+        assert hasattr(ps, name)
+    init = inspect.getsource(ps.GroupCoordinator.__init__)
+    for attr in ("self.cpu_group", "self.device_group", "self.world_size", "self.rank_in_group"):
+        assert attr in init, attr
+    assert issubclass(V41Fp8LinearMethod, linear.LinearMethodBase)

@@ -81,7 +81,9 @@ class V41Fp8LinearMethod(LinearMethodBase):
                 "choose a tensor_parallel_size that splits it into multiples of 32"
             )
         weight = Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
-        scale = Parameter(torch.empty(rows // TILE, cols // TILE, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        scale = Parameter(
+            torch.empty(rows // TILE, cols // TILE, dtype=torch.float8_e8m0fnu), requires_grad=False
+        )
         layer.register_parameter("weight", _weight_attrs(weight, loader, **extra_weight_attrs))
         layer.register_parameter("scale", _weight_attrs(scale, loader, **extra_weight_attrs))
 

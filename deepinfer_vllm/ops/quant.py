@@ -486,7 +486,9 @@ def dequant_fp8_block_into(out: Tensor, w: Tensor, scale: Tensor, block: int = 3
     """
     rows, cols = w.shape[-2:]
     if out.shape != w.shape or out.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"out must be fp32/fp64 of shape {tuple(w.shape)}, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be fp32/fp64 of shape {tuple(w.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
     if rows % block or cols % block:
         return out.copy_(dequant_fp8_block(w, scale, block, torch.float32))
     tiles = (*w.shape[:-2], rows // block, block, cols // block, block)

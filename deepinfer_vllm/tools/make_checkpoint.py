@@ -260,6 +260,11 @@ def make_checkpoint(
         stale.unlink(missing_ok=True)
     save_file(random_tensors(arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     save_tokenizer(tok, out, arch.max_position_embeddings)
+    _write_generation_and_config(out, arch, cfg)
+    return out
+
+
+def _write_generation_and_config(out: Path, arch: V41Arch, cfg: Mapping[str, Any]) -> None:
     generation = {
         "bos_token_id": arch.bos_token_id,
         "eos_token_id": arch.eos_token_id,
@@ -270,19 +275,18 @@ def make_checkpoint(
     # Transformers treats a local config.json without a version as a possibly
     # old Mistral export and warns about its tokenizer; say who wrote it.
     _write_json(out / "config.json", {**cfg, "transformers_version": transformers.__version__})
-    return out
 
 
-def write_config(out_dir: str | Path, preset: str | None = None, config: Mapping[str, Any] | None = None) -> Path:
+def write_config(
+    out_dir: str | Path, preset: str | None = None, config: Mapping[str, Any] | None = None
+) -> Path:
     """Write only ``config.json`` and ``generation_config.json`` (no weights, no
     tokenizer): enough for sizing tools such as ``deepinfer-memory-plan``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = _released_layout(config) if config is not None else get_preset(preset or "tiny")
     arch = V41Arch.from_config(cfg)
-    generation = {"bos_token_id": arch.bos_token_id, "eos_token_id": arch.eos_token_id, "pad_token_id": arch.pad_token_id}
-    _write_json(out / "generation_config.json", generation)
-    _write_json(out / "config.json", {**cfg, "transformers_version": transformers.__version__})
+    _write_generation_and_config(out, arch, cfg)
     return out
 
 
@@ -304,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-mtp", action="store_true", help="no DSpark stages (num_nextn_predict_layers = 0)"
     )
     parser.add_argument(
-        "--config-only", action="store_true", help="write config.json alone (the only choice for --preset flash)"
+        "--config-only",
+        action="store_true",
+        help="write config.json alone (the only choice for --preset flash)",
     )
     args = parser.parse_args(argv)
     config = json.loads(Path(args.config).read_text()) if args.config else None
@@ -313,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {path / 'config.json'}", file=sys.stderr)
         return 0
     if config is None and args.preset not in WEIGHT_PRESETS:
-        parser.error(f"--preset {args.preset} is the released size; add --config-only to write its config.json")
+        parser.error(f"--preset {args.preset} is the released size; add --config-only for its config.json")
     path = make_checkpoint(
         args.out,
         preset=args.preset,

@@ -91,7 +91,9 @@ def _config_dir(config: str, scratch: Path) -> Path:
         return write_config(scratch / config, preset=config)
     path = Path(config)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--config {config!r}: neither a preset {sorted(PRESETS)} nor a folder with config.json")
+        raise SystemExit(
+            f"--config {config!r}: neither a preset {sorted(PRESETS)} nor a folder with config.json"
+        )
     return path
 
 
@@ -121,7 +123,9 @@ def _not_held(arch) -> dict[str, int]:
     return out
 
 
-def plan(config: str, tp: int = 1, dp: int = 1, ep: int = 1, max_model_len: int | None = None) -> list[RankPlan]:
+def plan(
+    config: str, tp: int = 1, dp: int = 1, ep: int = 1, max_model_len: int | None = None
+) -> list[RankPlan]:
     """Build the model for every rank of the layout on the meta device and size it."""
     if ep not in (1, tp * dp):
         raise ValueError(
@@ -160,7 +164,9 @@ def plan(config: str, tp: int = 1, dp: int = 1, ep: int = 1, max_model_len: int 
                     if d.kind in ("window", "tokens")
                 )
                 plans.append(
-                    RankPlan(dp_rank * tp + tp_rank, tp_rank, dp_rank, weights, per_token, window, _not_held(arch))
+                    RankPlan(
+                        dp_rank * tp + tp_rank, tp_rank, dp_rank, weights, per_token, window, _not_held(arch)
+                    )
                 )
                 del model
     return plans
@@ -171,7 +177,12 @@ def _gb(n: float) -> str:
 
 
 def format_plan(
-    plans: list[RankPlan], hbm_gib: float, utilization: float, reserve_gib: float, requests: int, engram_host: bool
+    plans: list[RankPlan],
+    hbm_gib: float,
+    utilization: float,
+    reserve_gib: float,
+    requests: int,
+    engram_host: bool,
 ) -> str:
     first = plans[0]
     lines = [
@@ -188,7 +199,8 @@ def format_plan(
         budget = hbm_gib * GIB * utilization - hbm - reserve_gib * GIB - requests * p.window_per_request
         tokens = max(0, int(budget // kv_global))
         lines.append(
-            f"{p.rank:>4} {p.tp_rank:>3} {p.dp_rank:>3} {_gb(w['experts'])} {_gb(w['engram'])} {_gb(w['dense'])} "
+            f"{p.rank:>4} {p.tp_rank:>3} {p.dp_rank:>3} "
+            f"{_gb(w['experts'])} {_gb(w['engram'])} {_gb(w['dense'])} "
             f"{_gb(w['embedding_head'])} {_gb(hbm)} {_gb(host)} {tokens:>12,}"
         )
     kinds = ", ".join(f"{k} {v:.1f}" for k, v in first.kv_per_token.items())
@@ -198,7 +210,8 @@ def format_plan(
         f"KV toks: context tokens that fit per rank in {hbm_gib:g} GiB x {utilization:g} after weights, "
         f"{reserve_gib:g} GiB reserve and the window KV of {requests} running requests, at "
         f"{kv_global:.1f} B/token",
-        f"Not held until used (checkpoint bytes, whole model): DSpark {_gb(first.not_held['dspark']).strip()} GB, "
+        "Not held until used (checkpoint bytes, whole model): "
+        f"DSpark {_gb(first.not_held['dspark']).strip()} GB, "
         f"vision {_gb(first.not_held['vision']).strip()} GB",
     ]
     return "\n".join(lines)
@@ -206,7 +219,9 @@ def format_plan(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer-memory-plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a preset (tiny, small, flash) or a folder with config.json")
+    parser.add_argument(
+        "--config", required=True, help="a preset (tiny, small, flash) or a folder with config.json"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--dp", type=int, default=1, help="data_parallel_size")
     parser.add_argument("--ep", type=int, default=1, help="1, or tp * dp with enable_expert_parallel")
@@ -218,9 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
     args = parser.parse_args(argv)
     plans = plan(args.config, args.tp, args.dp, args.ep, args.max_model_len)
-    print(f"deepinfer-memory-plan --config {args.config} --tp {args.tp} --dp {args.dp} --ep {args.ep}"
-          + (" --engram-host" if args.engram_host else ""))
-    print(format_plan(plans, args.hbm_gib, args.utilization, args.reserve_gib, args.requests, args.engram_host))
+    print(
+        f"deepinfer-memory-plan --config {args.config} --tp {args.tp} --dp {args.dp} --ep {args.ep}"
+        + (" --engram-host" if args.engram_host else "")
+    )
+    print(
+        format_plan(plans, args.hbm_gib, args.utilization, args.reserve_gib, args.requests, args.engram_host)
+    )
     return 0
 
 

@@ -18,7 +18,8 @@ from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=512, seed=0, enforce_eager=True)
     prompt = [int(t) for t in sys.argv[2].split(",")]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy)
     print("TOKENS", ",".join(map(str, out[0].outputs[0].token_ids)))
 """
 
@@ -49,7 +50,11 @@ def test_hub_id_from_an_offline_cache_serves_the_reference(
     prompt = acceptance_prompts[1]
     out = subprocess.run(
         [sys.executable, str(script), HUB_ID, ",".join(map(str, prompt))],
-        capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("TOKENS "))
@@ -61,12 +66,27 @@ def test_hub_id_from_an_offline_cache_serves_the_reference(
 def test_weight_bytes_cli_reports_each_worker(tiny_checkpoint):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "deepinfer_vllm.tools.weight_bytes", "--model", tiny_checkpoint, "--dtype", "float32"],
-        capture_output=True, text=True, env=env, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "deepinfer_vllm.tools.weight_bytes",
+            "--model",
+            tiny_checkpoint,
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert "worker 0" in lines
-    rows = {line.split()[0]: line.split()[1:] for line in lines if line and line.split()[0] in ("experts", "total")}
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in lines
+        if line and line.split()[0] in ("experts", "total")
+    }
     assert rows["experts"][0] == rows["experts"][1]  # resident == checkpoint bytes
     assert float(rows["total"][2]) <= 1.05

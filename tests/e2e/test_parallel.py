@@ -70,7 +70,9 @@ def test_tp2_greedy_and_logprobs_match_one_rank(tp_llm, acceptance_prompts, refe
     # One rank equals the reference token for token (test_llm_matches_reference).
     assert [list(o.outputs[0].token_ids) for o in outs] == reference_greedy
     worst = _logprob_error(
-        tiny_reference, acceptance_prompts, [lambda pos, tok, o=o: o.prompt_logprobs[pos][tok].logprob for o in outs]
+        tiny_reference,
+        acceptance_prompts,
+        [lambda pos, tok, o=o: o.prompt_logprobs[pos][tok].logprob for o in outs],
     )
     print(f"TP=2 prompt logprobs: max |d| = {worst:.2e}")
     assert worst < 1e-3
@@ -105,10 +107,24 @@ def dp_server(tiny_checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("dp") / "server.log"
     env = {**os.environ, **TWO_WORKERS, "VLLM_CPU_KVCACHE_SPACE": "1"}
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", tiny_checkpoint, "--served-model-name", "tiny",
-        "--data-parallel-size", "2", "--enable-expert-parallel",
-        "--dtype", "float32", "--max-model-len", "512", "--seed", "0", "--port", str(port),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        tiny_checkpoint,
+        "--served-model-name",
+        "tiny",
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--seed",
+        "0",
+        "--port",
+        str(port),
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -137,8 +153,13 @@ def dp_server(tiny_checkpoint, tmp_path_factory):
 
 def _complete(url: str, prompt: list[int]) -> dict:
     body = {
-        "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-        "prompt_logprobs": 0, "return_token_ids": True,
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "prompt_logprobs": 0,
+        "return_token_ids": True,
     }
     r = requests.post(f"{url}/v1/completions", json=body, timeout=600)
     r.raise_for_status()
@@ -165,7 +186,9 @@ def test_dp2_ep_server_greedy_and_logprobs_match_one_rank(
     served = set()
     deadline = time.time() + 30
     while len(served) < 2 and time.time() < deadline:
-        for engine, rate in re.findall(r"Engine (\d+): Avg prompt throughput: ([\d.]+)", log_path.read_text()):
+        for engine, rate in re.findall(
+            r"Engine (\d+): Avg prompt throughput: ([\d.]+)", log_path.read_text()
+        ):
             if float(rate) > 0:
                 served.add(engine)
         time.sleep(1)
@@ -176,8 +199,14 @@ def test_dp2_ep_each_rank_holds_half_the_experts_and_engram(dp_server, tiny_chec
     _, log_path = dp_server
     header = _header_bytes(tiny_checkpoint)
     # Each worker logs what it holds after loading, measured from its parameters.
-    lines = re.findall(r"weights resident on tp 0/1 dp (\d)/2 \(expert group rank \d/2, whole experts\): (.*)", log_path.read_text())
-    ranks = {dp: dict((c, int(b)) for c, b in re.findall(r"(\w+) (\d+) B \(checkpoint", rest)) for dp, rest in lines}
+    lines = re.findall(
+        r"weights resident on tp 0/1 dp (\d)/2 \(expert group rank \d/2, whole experts\): (.*)",
+        log_path.read_text(),
+    )
+    ranks = {
+        dp: dict((c, int(b)) for c, b in re.findall(r"(\w+) (\d+) B \(checkpoint", rest))
+        for dp, rest in lines
+    }
     assert set(ranks) == {"0", "1"}, lines
     for rows in ranks.values():
         for comp in ("experts", "engram"):

@@ -93,7 +93,9 @@ def test_bad_layouts_name_the_setting():
 
 
 def test_cli_prints_the_table(capsys):
-    assert main(["--config", "flash", "--dp", "2", "--ep", "2", "--engram-host", "--max-model-len", "4096"]) == 0
+    assert (
+        main(["--config", "flash", "--dp", "2", "--ep", "2", "--engram-host", "--max-model-len", "4096"]) == 0
+    )
     out = capsys.readouterr().out
     assert "global 890.0" in out and "host" in out
     assert len([line for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]) == 2

@@ -39,7 +39,9 @@ def _kernel_path():
 
 
 def _replicated(in_f: int, out_f: int, quant_config, prefix: str) -> ReplicatedLinear:
-    return ReplicatedLinear(in_f, out_f, bias=False, quant_config=quant_config, prefix=prefix, return_bias=False)
+    return ReplicatedLinear(
+        in_f, out_f, bias=False, quant_config=quant_config, prefix=prefix, return_bias=False
+    )
 
 
 class Compressor(nn.Module):
@@ -48,9 +50,9 @@ class Compressor(nn.Module):
     def __init__(self, arch: V41Arch, ratio: int, quant_config, prefix: str):
         super().__init__()
         self.wkv = _replicated(arch.hidden_size, arch.head_dim, quant_config, f"{prefix}.wkv")
-        self.wgate = (
-            _replicated(arch.hidden_size, arch.head_dim, quant_config, f"{prefix}.wgate") if ratio == 2 else None
-        )
+        self.wgate = None
+        if ratio == 2:
+            self.wgate = _replicated(arch.hidden_size, arch.head_dim, quant_config, f"{prefix}.wgate")
         self.norm = V41Norm(arch.head_dim, arch.rms_norm_eps)
 
 
@@ -59,10 +61,10 @@ class Indexer(nn.Module):
 
     def __init__(self, arch: V41Arch, owns_keys: bool, quant_config, prefix: str):
         super().__init__()
-        a = arch
-        self.wq_b = _replicated(a.q_lora_rank, a.index_n_heads * a.index_head_dim, quant_config, f"{prefix}.wq_b")
-        self.weights_proj = _replicated(a.hidden_size, a.index_n_heads, quant_config, f"{prefix}.weights_proj")
-        self.wk = _replicated(a.head_dim, a.index_head_dim, quant_config, f"{prefix}.wk") if owns_keys else None
+        a, qc = arch, quant_config
+        self.wq_b = _replicated(a.q_lora_rank, a.index_n_heads * a.index_head_dim, qc, f"{prefix}.wq_b")
+        self.weights_proj = _replicated(a.hidden_size, a.index_n_heads, qc, f"{prefix}.weights_proj")
+        self.wk = _replicated(a.head_dim, a.index_head_dim, qc, f"{prefix}.wk") if owns_keys else None
         self.k_norm = V41Norm(a.index_head_dim, a.rms_norm_eps) if owns_keys else None
 
 
@@ -153,7 +155,6 @@ class V41Attention(nn.Module):
     def forward(self, x: torch.Tensor, state: StepState, write_compressed: bool = True) -> torch.Tensor:
         a = self.arch
         T = x.shape[0]
-        dtype = x.dtype
         pos = state.positions
 
         c_q = self.q_norm(self.wq_a(x))

@@ -10,7 +10,12 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear
 from deepinfer_vllm.attention_backends.cache_layout import CacheDecl
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs.deepseek_v41 import V41Arch
-from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, all_reduce, gather_tokens, token_counts
+from deepinfer_vllm.model_executor.layers.parallel import (
+    ParallelLayout,
+    all_reduce,
+    gather_tokens,
+    token_counts,
+)
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.weights import held
 from deepinfer_vllm.ops import quant
@@ -139,7 +144,9 @@ class V41Engram(nn.Module):
     """One Engram layer: the FP8 row table, ``wkv`` (column-parallel, gathered) and the
     per-stream gate weights (replicated)."""
 
-    def __init__(self, arch: V41Arch, layer_id: int, num_rows: int, quant_config, layout: ParallelLayout, prefix: str):
+    def __init__(
+        self, arch: V41Arch, layer_id: int, num_rows: int, quant_config, layout: ParallelLayout, prefix: str
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.eps = arch.rms_norm_eps

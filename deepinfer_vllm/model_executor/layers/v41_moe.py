@@ -23,7 +23,12 @@ from torch import nn
 from vllm.model_executor.layers.linear import ColumnParallelLinear
 
 from deepinfer_vllm.model_executor.layers.dequant import gemm_fp4
-from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, all_reduce, gather_tokens, token_counts
+from deepinfer_vllm.model_executor.layers.parallel import (
+    ParallelLayout,
+    all_reduce,
+    gather_tokens,
+    token_counts,
+)
 from deepinfer_vllm.model_executor.layers.weights import V41RowParallelLinear, held
 from deepinfer_vllm.ops.moe import route_sqrtsoftplus, swiglu_clamped
 from deepinfer_vllm.ops.numerics import acc_dtype
@@ -51,7 +56,11 @@ class SharedExpert(nn.Module):
                 self,
                 name,
                 ColumnParallelLinear(
-                    hidden, inter, bias=False, quant_config=quant_config, prefix=f"{prefix}.{name}",
+                    hidden,
+                    inter,
+                    bias=False,
+                    quant_config=quant_config,
+                    prefix=f"{prefix}.{name}",
                     return_bias=False,
                 ),
             )
@@ -107,7 +116,9 @@ class RoutedExperts(nn.Module):
         act = act * row_w.to(act.dtype).unsqueeze(-1)
         return gemm_fp4(act.to(x.dtype), self.w2[i], self.w2_scale[i], out_dtype)
 
-    def partial(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float) -> torch.Tensor:
+    def partial(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float
+    ) -> torch.Tensor:
         """What this rank's experts contribute, in the accumulation dtype.
 
         Whole experts: ``[N, hidden]``, each expert's output rounded and summed

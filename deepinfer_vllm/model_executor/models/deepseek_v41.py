@@ -122,7 +122,7 @@ class DeepseekV41Block(nn.Module):
         if keep_rows is not None:
             self.attn.write_compressed(x, state)
             write_compressed = False
-            streams, pre_a, post_a, comb_a = streams[keep_rows], pre_a[keep_rows], post_a[keep_rows], comb_a[keep_rows]
+            streams, pre_a, post_a, comb_a = (t[keep_rows] for t in (streams, pre_a, post_a, comb_a))
             x, input_ids, state = x[keep_rows], input_ids[keep_rows], state.subset(keep_rows)
         streams = hc_expand(self.attn(x, state, write_compressed), streams, post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn.mix(streams)
@@ -161,7 +161,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         # Rope tables cover the positions this engine can reach.
         self.rope_len = int(model_config.max_model_len)
         main_rope = build_rope_cache(arch.rope_dim, self.rope_len, arch.rope_theta, None)
-        comp_rope = build_rope_cache(arch.rope_dim, self.rope_len, arch.compress_rope_theta, arch.rope_scaling)
+        comp_rope = build_rope_cache(
+            arch.rope_dim, self.rope_len, arch.compress_rope_theta, arch.rope_scaling
+        )
         self.cache_layers: dict[str, V41CacheLayer] = {}
         self.embed = VocabParallelEmbedding(
             arch.vocab_size, arch.hidden_size, quant_config=quant_config, prefix="embed"
@@ -178,7 +180,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             if role.ratio > 0:
                 layer.attn.bind_kv_source(self.layers[role.kv_source].attn)
         self.norm = V41Norm(arch.hidden_size, arch.rms_norm_eps)
-        self.head = ParallelLMHead(arch.vocab_size, arch.hidden_size, quant_config=quant_config, prefix="head")
+        self.head = ParallelLMHead(
+            arch.vocab_size, arch.hidden_size, quant_config=quant_config, prefix="head"
+        )
         self.logits_processor = LogitsProcessor(arch.vocab_size)
 
         self.engram_tables: EngramTables | None = None
@@ -322,7 +326,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise checkpoint.CheckpointFormatError(
-                f"parameters not loaded: {sorted(missing)[:8]}", [f"parameter {m!r} not loaded" for m in missing]
+                f"parameters not loaded: {sorted(missing)[:8]}",
+                [f"parameter {m!r} not loaded" for m in sorted(missing)],
             )
         if self.engram_tables is not None:
             self.engram_tables.set_vocab(_engram_vocab_map(self.model_config, self.arch))
@@ -338,7 +343,11 @@ class DeepseekV41ForCausalLM(nn.Module):
             "DeepInfer V4.1 weights resident on tp %d/%d dp %d/%d (expert group rank %d/%d, %s): %s",
             lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, lay.moe_rank, lay.moe_size,
             "whole experts" if lay.expert_parallel else "expert slices",
-            ", ".join(f"{c} {r['resident']} B (checkpoint {r['checkpoint']} B)" for c, r in rows.items() if r["resident"]),
+            ", ".join(
+                f"{c} {r['resident']} B (checkpoint {r['checkpoint']} B)"
+                for c, r in rows.items()
+                if r["resident"]
+            ),
         )
 
     @staticmethod
