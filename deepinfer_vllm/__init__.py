@@ -57,7 +57,7 @@ def register() -> None:
     from vllm.transformers_utils import config as vllm_hf_config
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from deepinfer_vllm.configs.deepseek_v41 import DeepseekV41Config, register_with_transformers
+    from deepinfer_vllm.configs import DeepseekV41Config, register_with_transformers
 
     import deepinfer_vllm.model_executor.quantization  # noqa: F401  (registers the method)
 

@@ -48,7 +48,7 @@ def test_model_registry_override_and_config_registry():
         "DeepseekV41ForCausalLM",
     )
     assert isinstance(hf_config._CONFIG_REGISTRY, dict)
-    from deepinfer_vllm.configs.deepseek_v41 import DeepseekV41Config
+    from deepinfer_vllm.configs import DeepseekV41Config
 
     assert hf_config._CONFIG_REGISTRY["deepseek_v41"] is DeepseekV41Config
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_vllm.ops.paged_records import RecordFormat
-from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
+from deepinfer_vllm.configs import LayerRole, V41Arch
 
 WINDOW_FORMAT = "mxfp8"
 COMPRESSED_FORMAT = "nvfp4"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
+from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.ops import quant
 
 __all__ = [

@@ -33,7 +33,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
-from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+from deepinfer_vllm.configs import V41Arch
 from deepinfer_vllm.model_executor import checkpoint
 from deepinfer_vllm.model_executor.layers import dequant
 

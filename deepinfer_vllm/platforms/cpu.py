@@ -91,7 +91,7 @@ class DeepInferCpuPlatform(CpuPlatform):
 
 def _check_parallel(model_config, parallel_config) -> None:
     """Refuse parallel settings V4.1 cannot be split by, in the user's process."""
-    from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+    from deepinfer_vllm.configs import V41Arch
     from deepinfer_vllm.model_executor.layers.parallel import check_parallel
 
     check_parallel(

@@ -78,7 +78,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch, register_with_transformers
+from deepinfer_vllm.configs import LayerRole, V41Arch, register_with_transformers
 from deepinfer_vllm.model_executor.checkpoint import (
     iter_dequantized,
     read_safetensors_index,

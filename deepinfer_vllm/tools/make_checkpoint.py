@@ -35,7 +35,7 @@ import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from deepinfer_vllm.configs.deepseek_v41 import ConfigError, DeepseekV41Config, V41Arch
+from deepinfer_vllm.configs import ConfigError, DeepseekV41Config, V41Arch
 from deepinfer_vllm.model_executor import checkpoint as ckpt
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer, engram_primes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches
-from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+from deepinfer_vllm.configs import V41Arch
 from deepinfer_vllm.tools.presets import flash_config, get_preset
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from deepinfer_vllm.configs.deepseek_v41 import (
+from deepinfer_vllm.configs import (
     ConfigError,
     DeepseekV41Config,
     V41Arch,

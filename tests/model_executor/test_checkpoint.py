@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer_vllm.configs.deepseek_v41 import ConfigError, V41Arch
+from deepinfer_vllm.configs import ConfigError, V41Arch
 from deepinfer_vllm.model_executor import checkpoint as ckpt
 from deepinfer_vllm.model_executor.checkpoint import CheckpointFormatError
 from deepinfer_vllm.tools.make_checkpoint import make_checkpoint

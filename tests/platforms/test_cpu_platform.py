@@ -73,7 +73,7 @@ def test_parallel_settings_v41_cannot_split_are_refused_by_name(tiny_checkpoint,
 
 
 def test_parallel_rules():
-    from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+    from deepinfer_vllm.configs import V41Arch
     from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_parallel
     from deepinfer_vllm.tools.presets import flash_config
 

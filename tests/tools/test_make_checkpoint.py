@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer_vllm.configs.deepseek_v41 import ConfigError, V41Arch
+from deepinfer_vllm.configs import ConfigError, V41Arch
 from deepinfer_vllm.model_executor import checkpoint as ckpt
 from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer
 from deepinfer_vllm.tools.make_checkpoint import main, make_checkpoint, random_tensors, resolve_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+from deepinfer_vllm.configs import V41Arch
 from deepinfer_vllm.tools.memory_plan import main, plan
 from deepinfer_vllm.tools.presets import flash_config
 

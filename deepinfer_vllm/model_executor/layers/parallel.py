@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+from deepinfer_vllm.configs import V41Arch
 
 __all__ = [
     "ParallelLayout",

@@ -19,7 +19,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLi
 from deepinfer_vllm.attention_backends.kernel_select import choose_attention_kernels
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.attention_backends.cache_layout import layer_caches
-from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
+from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
 from deepinfer_vllm.model_executor.layers.weights import V41Norm, V41RowParallelLinear, held, linear

@@ -9,7 +9,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear
 
 from deepinfer_vllm.attention_backends.cache_layout import CacheDecl
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
-from deepinfer_vllm.configs.deepseek_v41 import V41Arch
+from deepinfer_vllm.configs import V41Arch
 from deepinfer_vllm.model_executor.layers.parallel import (
     ParallelLayout,
     all_reduce,

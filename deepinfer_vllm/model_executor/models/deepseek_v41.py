@@ -33,7 +33,7 @@ from vllm.model_executor.models.utils import make_layers
 from deepinfer_vllm import envs
 from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
-from deepinfer_vllm.configs.deepseek_v41 import LayerRole, V41Arch
+from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.model_executor import checkpoint
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_parallel
 from deepinfer_vllm.model_executor.layers.step_state import StepState

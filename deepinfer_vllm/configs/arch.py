@@ -1,14 +1,8 @@
-"""DeepSeek-V4.1 configuration (spec §2, §3; design §1.1, §1.4).
+"""``V41Arch``: a frozen, validated record of every dimension the model code needs (spec §2, §3).
 
-Two views of one ``config.json``:
-
-* ``DeepseekV41Config``: the Transformers config class. The release nests the
-  language model under ``text_config``; vLLM reads flat attributes, so every
-  text key is also exposed at the top level. ``to_dict`` restores the nesting,
-  so ``save_pretrained`` writes the released layout.
-* ``V41Arch``: a frozen, validated record of every dimension the model code
-  needs, with the per-layer role table (``LayerRole``). Invalid values raise
-  ``ConfigError`` naming the key the way config.json spells it.
+Built from a config object or config.json dict (nested or flat) with the
+per-layer role table (``configs.roles``). Invalid values raise ``ConfigError``
+naming the key the way config.json spells it (``text_config.compress_ratios``).
 
 This module never imports vLLM: checkpoint tools use it on hosts without it.
 """
@@ -20,79 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import PretrainedConfig
+from deepinfer_vllm.configs.hf_config import MODEL_TYPE, ConfigError, DeepseekV41Config
+from deepinfer_vllm.configs.roles import LayerRole, build_roles, mtp_roles
 
-__all__ = [
-    "ARCHITECTURE",
-    "MODEL_TYPE",
-    "ConfigError",
-    "DeepseekV41Config",
-    "LayerRole",
-    "V41Arch",
-    "register_with_transformers",
-]
-
-ARCHITECTURE = "DeepseekV41ForCausalLM"
-MODEL_TYPE = "deepseek_v41"
-TEXT_MODEL_TYPE = "deepseek_v41_text"
-
-# Keys of ``text_config`` (spec §2.2 plus the optional keys vLLM reads). Only
-# used to recognise an already-flat dict; nested input keeps whatever it has.
-_TEXT_KEY_NAMES = """
-vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads head_dim
-qk_rope_head_dim qk_nope_head_dim q_lora_rank o_lora_rank o_groups hidden_act swiglu_limit
-rms_norm_eps max_position_embeddings rope_theta compress_rope_theta rope_scaling
-n_routed_experts n_shared_experts num_experts_per_tok moe_intermediate_size scoring_func
-topk_method norm_topk_prob routed_scaling_factor sliding_window compress_ratios
-kv_source_layer_ids index_source_layer_ids index_k_source_layer_ids index_n_heads
-index_head_dim index_topk candidate_source_layer_id candidate_topk_blocks candidate_block_size
-hc_mult hc_sinkhorn_iters hc_eps hc_shifted engram_layer_ids engram_num_embeddings
-engram_max_ngram_size engram_vocab_size engram_n_heads engram_head_dim engram_pad_token_id
-engram_compressed_vocab_size num_nextn_predict_layers n_mtp_layers dspark_block_size
-dspark_noise_token_id dspark_target_layer_ids dspark_markov_rank dspark_n_routed_experts
-dspark_num_experts_per_tok dspark_target_attn_input attention_bias attention_dropout
-initializer_range use_cache num_hash_layers n_group topk_group draft_vocab_size
-enable_confidence_head sample_from_anchor use_fp4_sparse_kv
-"""
-_TEXT_KEYS = frozenset(_TEXT_KEY_NAMES.split())
-
-# Keys the release repeats at the top level and inside text_config.
-_SHARED_KEYS = ("tie_word_embeddings",)
-
-# vision_config key -> (flat attribute vLLM reads, vLLM's default). Spec §2.1.
-_VISION_ATTRS: tuple[tuple[str, str, Any], ...] = (
-    ("num_hidden_layers", "vision_n_layers", 0),
-    ("hidden_size", "vision_dim", 1024),
-    ("num_attention_heads", "vision_n_heads", 16),
-    ("intermediate_size", "vision_inter_dim", 2816),
-    ("patch_size", "vision_patch_size", 14),
-    ("rope_theta", "vision_rope_theta", 10000.0),
-    ("downsample_ratio", "vision_downsample_ratio", 3),
-    ("max_image_tokens", "vision_max_n_token", 1024),
-    ("min_pixels", "vision_min_pixels", 295936),
-    ("max_wh_ratio", "vision_max_wh_ratio", None),
-)
-_VISION_FLAT = frozenset(flat for _, flat, _ in _VISION_ATTRS)
-
-# Top-level keys ``to_dict`` keeps even when text_config repeats them
-# (spec §18.1 repeats tie_word_embeddings).
-_TOPLEVEL_KEEP = frozenset(
-    {
-        "architectures",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "image_token_id",
-        "tie_word_embeddings",
-        "dtype",
-        "torch_dtype",
-        "transformers_version",
-        "_name_or_path",
-    }
-)
-
-# Attributes derived in ``__init__``; ``to_dict`` drops them again.
-_DERIVED = frozenset({"rope_parameters", "expert_dtype"}) | _VISION_FLAT
+__all__ = ["V41Arch"]
 
 # What ``quantization_config`` must say (spec §2.4, design §1.1).
 _QUANT_METHODS = ("fp8", "deepseek_v4_fp8")
@@ -107,167 +32,6 @@ _QUANT_OPTIONAL: dict[str, tuple[Any, ...]] = {
 }
 # Keys that only re-quantised (ModelOpt) exports carry; their tensors differ.
 _QUANT_FOREIGN = ("moe_quant_algo", "ignore")
-
-
-class ConfigError(ValueError):
-    """A config.json value the V4.1 model cannot run with.
-
-    ``key`` is the dotted path as config.json spells it, e.g.
-    ``text_config.compress_ratios``.
-    """
-
-    def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(f"{key}: {message}")
-
-
-class DeepseekV41Config(PretrainedConfig):
-    """HF config for ``DeepseekV41ForCausalLM`` that accepts nested or flat input.
-
-    Nested input is the released layout (``text_config``/``vision_config``/
-    ``quantization_config`` plus top-level token ids). A flat dict (every text
-    key at the top level, as vLLM's in-tree class exposes it) is folded back
-    into ``text_config`` first, so both forms behave the same.
-    """
-
-    model_type = MODEL_TYPE
-
-    def __init__(
-        self,
-        text_config: Mapping[str, Any] | None = None,
-        vision_config: Mapping[str, Any] | None = None,
-        quantization_config: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        text = copy.deepcopy(dict(text_config or {}))
-        vision = copy.deepcopy(dict(vision_config or {}))
-        kwargs.pop("model_type", None)
-        if text_config is None:
-            # Flat input: the keys both levels carry go to both (spec §18.1).
-            for key in _SHARED_KEYS:
-                if key in kwargs:
-                    text[key] = kwargs[key]
-            if any(k in _TEXT_KEYS for k in kwargs):
-                text.setdefault("model_type", TEXT_MODEL_TYPE)
-        for key in [k for k in kwargs if k in _TEXT_KEYS]:
-            text[key] = kwargs.pop(key)  # an explicit flat value overrides the nested one
-        flat_rope = kwargs.pop("rope_parameters", None)
-        if flat_rope is not None and "rope_scaling" not in text:
-            text["rope_scaling"] = copy.deepcopy(flat_rope)
-        for hf_key, flat_key, _ in _VISION_ATTRS:
-            if flat_key in kwargs:
-                value = kwargs.pop(flat_key)
-                if vision_config is None:
-                    vision[hf_key] = value
-        kwargs.pop("expert_dtype", None)
-        kwargs.setdefault("architectures", [ARCHITECTURE])
-
-        self.text_config = text
-        self.vision_config = vision
-        self.quantization_config = copy.deepcopy(dict(quantization_config or {}))
-        for key, value in text.items():
-            if key in ("model_type", "rope_scaling"):
-                continue
-            # Transformers properties (e.g. rope_scaling) must not be clobbered.
-            if isinstance(getattr(type(self), key, None), property):
-                continue
-            setattr(self, key, copy.deepcopy(value))
-
-        super().__init__(**kwargs)
-
-        # vLLM derives max_model_len from ``rope_parameters``; expose the
-        # (flat) compressed-layer dict. Set after super().__init__ so
-        # Transformers does not re-standardise it with the main rope_theta.
-        self.rope_parameters = _flat_rope_parameters(text)
-        self.expert_dtype = self.quantization_config.get("expert_dtype", "fp4")
-        for hf_key, flat_key, default in _VISION_ATTRS:
-            setattr(self, flat_key, vision.get(hf_key, default))
-
-    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> DeepseekV41Config:
-        """The flat attributes are the text config; ``text_config`` is a plain dict."""
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        """Serialise in the released nesting (flat text attributes folded back)."""
-        out = super().to_dict()
-        text = copy.deepcopy(self.text_config)
-        for key in list(text):
-            if key in ("model_type", "rope_scaling"):
-                continue
-            if key in self.__dict__:
-                text[key] = copy.deepcopy(self.__dict__[key])
-        for key in list(out):
-            if key in _TOPLEVEL_KEEP:
-                continue
-            if key in text or key in _DERIVED or key.startswith("_"):
-                out.pop(key)
-        out["text_config"] = text
-        out["vision_config"] = copy.deepcopy(self.vision_config)
-        out["quantization_config"] = copy.deepcopy(self.quantization_config)
-        out["model_type"] = MODEL_TYPE
-        # Transformers 5 (and DeepInfer's loader) read ``dtype``; the legacy
-        # ``torch_dtype`` input is folded into it by PretrainedConfig.
-        out.pop("torch_dtype", None)
-        return out
-
-
-def _flat_rope_parameters(text: Mapping[str, Any]) -> dict[str, Any]:
-    """The compressed layers' RoPE dict in the flat form vLLM's max-len logic expects."""
-    scaling = text.get("rope_scaling")
-    if isinstance(scaling, Mapping) and isinstance(scaling.get("compress"), Mapping):
-        scaling = scaling["compress"]
-    params = copy.deepcopy(dict(scaling)) if isinstance(scaling, Mapping) else {}
-    params.setdefault("rope_type", params.get("type", "default"))
-    params["rope_theta"] = text.get("compress_rope_theta", text.get("rope_theta", 10000.0))
-    return params
-
-
-def register_with_transformers() -> None:
-    """Make ``AutoConfig`` resolve ``model_type: deepseek_v41`` to our class (idempotent)."""
-    from transformers import AutoConfig
-
-    try:
-        AutoConfig.register(MODEL_TYPE, DeepseekV41Config, exist_ok=True)
-    except ValueError as exc:  # a Transformers release that ships its own class
-        if "already" not in str(exc):
-            raise
-
-
-# ---------------------------------------------------------------------------
-# Layer roles and the validated architecture record
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerRole:
-    """What one layer owns and reads (spec §3, design §1.1 table).
-
-    ``kv_source``/``index_source`` are the layers whose compressed cache and
-    top-k this layer uses (itself when it is a source); ``None`` for SWA-only
-    layers. ``uses_candidates`` marks index sources after the candidate source
-    in its KV segment (they mask their top-k with its blocks).
-    """
-
-    layer_id: int
-    ratio: int
-    is_kv_source: bool
-    is_index_source: bool
-    kv_source: int | None
-    index_source: int | None
-    is_candidate_source: bool
-    uses_candidates: bool
-    has_engram: bool
-    is_decoder: bool
-    rope: str  # "main" (ratio 0) or "compress" (ratio >= 1)
-
-    @property
-    def kind(self) -> str:
-        """Spec §3 role name: ``swa``, ``full``, ``reindex`` or ``reuse``."""
-        if self.ratio == 0:
-            return "swa"
-        if self.is_kv_source:
-            return "full"
-        return "reindex" if self.is_index_source else "reuse"
 
 
 @dataclass(frozen=True)
@@ -506,87 +270,6 @@ def _compress_rope_scaling(t: _Section) -> dict[str, Any] | None:
     }
 
 
-def _build_roles(
-    t: _Section,
-    ratios: tuple[int, ...],
-    kv_ids: tuple[int, ...],
-    index_ids: tuple[int, ...],
-    candidate: int,
-    engram_ids: tuple[int, ...],
-) -> tuple[tuple[LayerRole, ...], int]:
-    """Role table of the backbone layers; validates the source topology (spec §3)."""
-    n = len(ratios)
-    for key, ids in (("kv_source_layer_ids", kv_ids), ("index_source_layer_ids", index_ids)):
-        swa = [i for i in ids if ratios[i] == 0]
-        if swa:
-            raise t.error(key, f"layers {swa} have compress ratio 0; an SWA-only layer may not be a source")
-    missing = sorted(set(kv_ids) - set(index_ids))
-    if missing:
-        raise t.error("index_source_layer_ids", f"must contain every KV source; missing {missing}")
-    first_compressed = next((i for i, r in enumerate(ratios) if r > 0), n)
-    late_swa = [i for i in range(first_compressed, n) if ratios[i] == 0]
-    if late_swa:
-        raise t.error(
-            "compress_ratios",
-            f"SWA-only layers {late_swa} follow compressed layer {first_compressed}; "
-            "they would split a KV-sharing segment",
-        )
-    first_decoder = next((i for i, r in enumerate(ratios) if r == 1), n)
-
-    roles = []
-    kv_src: int | None = None
-    idx_src: int | None = None
-    for layer, ratio in enumerate(ratios):
-        if layer in kv_ids:
-            kv_src = layer
-        if layer in index_ids:
-            idx_src = layer
-        if ratio > 0 and (kv_src is None or ratios[kv_src] != ratio):
-            raise t.error(
-                "kv_source_layer_ids",
-                f"layer {layer} (ratio {ratio}) has no KV source of ratio {ratio} at or before it",
-            )
-        compressed = ratio > 0
-        roles.append(
-            LayerRole(
-                layer_id=layer,
-                ratio=ratio,
-                is_kv_source=layer in kv_ids,
-                is_index_source=layer in index_ids,
-                kv_source=kv_src if compressed else None,
-                index_source=idx_src if compressed else None,
-                is_candidate_source=layer == candidate,
-                uses_candidates=(
-                    candidate >= 0 and layer in index_ids and layer > candidate and kv_src == candidate
-                ),
-                has_engram=layer in engram_ids,
-                is_decoder=layer >= first_decoder,
-                rope="compress" if compressed else "main",
-            )
-        )
-    return tuple(roles), first_decoder
-
-
-def _mtp_roles(n_layers: int, num_mtp: int) -> tuple[LayerRole, ...]:
-    """DSpark stages are SWA-only blocks numbered after the backbone (spec §13.1)."""
-    return tuple(
-        LayerRole(
-            layer_id=n_layers + k,
-            ratio=0,
-            is_kv_source=False,
-            is_index_source=False,
-            kv_source=None,
-            index_source=None,
-            is_candidate_source=False,
-            uses_candidates=False,
-            has_engram=False,
-            is_decoder=False,
-            rope="main",
-        )
-        for k in range(num_mtp)
-    )
-
-
 def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
     top = _Section("", cfg)
     if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
@@ -691,7 +374,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
             raise t.error("candidate_block_size", "must be >= 1 when a candidate source is set")
 
     engram_ids = tuple(t.ints("engram_layer_ids", []))
-    roles, first_decoder = _build_roles(t, ratios, kv_ids, index_ids, candidate, engram_ids)
+    roles, first_decoder = build_roles(t, ratios, kv_ids, index_ids, candidate, engram_ids)
     if any(r.uses_candidates for r in roles) and cand_blocks * cand_block_size < index_topk:
         raise t.error(
             "candidate_topk_blocks",
@@ -831,7 +514,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
         vision_max_wh_ratio=None if max_wh is None else v.float("max_wh_ratio"),
         compress_ratios=ratios,
         roles=roles,
-        mtp_roles=_mtp_roles(n_layers, num_mtp),
+        mtp_roles=mtp_roles(n_layers, num_mtp),
         first_decoder_layer=first_decoder,
         kv_source_layers=kv_ids,
         index_source_layers=index_ids,
