@@ -44,6 +44,8 @@ __all__ = [
     "FP4",
     "FP8",
     "INDEX_FILE",
+    "DSPARK_PREFIX",
+    "VISION_PREFIXES",
     "CheckpointFormatError",
     "TensorSpec",
     "canonical_name",
@@ -78,6 +80,11 @@ _ALT_HEAD = (F32,)
 _ALT_IMAGE = (F32,)
 # Vision RMSNorm weights: fp32 per spec §12.4; DeepInfer's tower is bf16.
 _ALT_VISION_NORM = (BF16,)
+
+# Name prefixes of the two optional groups: the DSpark stages and the vision tower
+# (its ViT, aligner and the image delimiter vectors).
+DSPARK_PREFIX = "mtp."
+VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 # Known keys that no implementation uses (spec §12.4): allowed, never required,
 # and dropped by ``iter_dequantized``.
@@ -349,8 +356,6 @@ def canonical_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
-_canonical = canonical_name
-
 _SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: FP8,
     torch.float8_e8m0fnu: E8M0,
@@ -376,8 +381,8 @@ def _detect(found_canonical: Iterable[str]) -> tuple[bool, bool]:
     """Whether a checkpoint carries the vision tower / the DSpark stages at all."""
     vision = mtp = False
     for name in found_canonical:
-        vision |= name.startswith(("vision.", "aligner.", "image_start", "image_end", "image_newline"))
-        mtp |= name.startswith("mtp.")
+        vision |= name.startswith(VISION_PREFIXES)
+        mtp |= name.startswith(DSPARK_PREFIX)
     return vision, mtp
 
 
@@ -395,7 +400,7 @@ def validate_checkpoint_index(
     """
     by_canonical: dict[str, str] = {}
     for raw in found:
-        canon = _canonical(raw)
+        canon = canonical_name(raw)
         if canon in by_canonical:
             raise CheckpointFormatError(
                 f"tensor {raw!r} is stored twice (with and without the 'model.' prefix)"
@@ -485,7 +490,7 @@ def iter_dequantized(
             yield weight_name, quant.dequant_fp8_block(_bytes(w), _bytes(s), BLOCK, dtype)
 
     for raw_name, tensor in named_tensors:
-        name = _canonical(raw_name)
+        name = canonical_name(raw_name)
         spec = specs.get(name)
         if spec is None:
             if name in _UNUSED:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_vllm.model_executor import checkpoint
+
 __all__ = ["COMPONENTS", "component_of", "format_report", "weight_bytes"]
 
 COMPONENTS = ("experts", "engram", "dense", "embedding_head", "dspark", "vision", "other")
@@ -19,10 +21,10 @@ COMPONENTS = ("experts", "engram", "dense", "embedding_head", "dspark", "vision"
 
 def component_of(name: str) -> str:
     """The report's component of a parameter (or checkpoint tensor) name."""
-    name = name.removeprefix("model.")
-    if name.startswith("mtp."):
+    name = checkpoint.canonical_name(name)
+    if name.startswith(checkpoint.DSPARK_PREFIX):
         return "dspark"
-    if name.startswith(("vision.", "aligner.", "image_")):
+    if name.startswith(checkpoint.VISION_PREFIXES):
         return "vision"
     if ".ffn.experts." in name:
         return "experts"

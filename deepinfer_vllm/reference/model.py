@@ -80,6 +80,8 @@ import torch
 
 from deepinfer_vllm.configs import LayerRole, V41Arch, register_with_transformers
 from deepinfer_vllm.model_executor.checkpoint import (
+    DSPARK_PREFIX,
+    VISION_PREFIXES,
     iter_dequantized,
     read_safetensors_index,
     validate_checkpoint_index,
@@ -109,7 +111,7 @@ __all__ = ["YOCO_MODES", "ForwardTrace", "ReferenceV41"]
 YOCO_MODES = ("off", "mask", "compact")
 
 # Checkpoint groups the text backbone never reads (DSpark stages, vision tower).
-_UNUSED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+_UNUSED_PREFIXES = (DSPARK_PREFIX, *VISION_PREFIXES)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
