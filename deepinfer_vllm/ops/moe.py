@@ -19,6 +19,8 @@ weights. Rounding points follow DeepInfer's expert pipeline (design §1.8):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,7 @@ __all__ = [
     "route_sqrtsoftplus",
     "swiglu_clamped",
     "expert_mlp",
+    "expert_choices",
     "moe_forward",
 ]
 
@@ -112,6 +115,22 @@ def expert_mlp(
     return _linear(act.to(x.dtype), w2)
 
 
+def expert_choices(
+    topk_ids: torch.Tensor, experts: range
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Each expert of ``experts`` that some token chose, in ascending id order:
+    ``(expert, choices, tokens)``, where ``choices`` index the flattened ``[T * k]``
+    (token, slot) pairs that chose it and ``tokens`` are their rows. Ids outside
+    ``experts`` (e.g. -1, or experts held elsewhere) are skipped."""
+    T, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    flat_rows = torch.arange(T, device=topk_ids.device).repeat_interleave(k)
+    live = (flat_ids >= experts.start) & (flat_ids < experts.stop)
+    for e in torch.unique(flat_ids[live]).tolist():
+        sel = (flat_ids == e).nonzero(as_tuple=True)[0]
+        yield e, sel, flat_rows[sel]
+
+
 def moe_forward(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -129,16 +148,10 @@ def moe_forward(
     Ids outside ``[0, E)`` (e.g. -1) are skipped. Loops over the experts that got tokens.
     """
     T = x.shape[0]
-    E = w1.shape[0]
     out_dim = w2.shape[1]
     acc = torch.zeros(T, out_dim, dtype=acc_dtype(x.dtype), device=x.device)
-    flat_ids = topk_ids.reshape(-1)
     flat_w = topk_weights.reshape(-1).to(acc.dtype)
-    flat_rows = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
-    live = (flat_ids >= 0) & (flat_ids < E)
-    for e in torch.unique(flat_ids[live]).tolist():
-        sel = (flat_ids == e).nonzero(as_tuple=True)[0]
-        rows = flat_rows[sel]
+    for e, sel, rows in expert_choices(topk_ids, range(w1.shape[0])):
         y = expert_mlp(x[rows], w1[e], w3[e], w2[e], limit, row_weight=flat_w[sel])
         acc.index_add_(0, rows, y.to(acc.dtype))
     if shared is not None:

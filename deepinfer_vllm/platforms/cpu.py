@@ -92,12 +92,6 @@ class DeepInferCpuPlatform(CpuPlatform):
 def _check_parallel(model_config, parallel_config) -> None:
     """Refuse parallel settings V4.1 cannot be split by, in the user's process."""
     from deepinfer_vllm.configs import V41Arch
-    from deepinfer_vllm.model_executor.layers.parallel import check_parallel
+    from deepinfer_vllm.model_executor.layers.parallel import check_vllm_parallel
 
-    check_parallel(
-        V41Arch.from_config(model_config.hf_config),
-        parallel_config.tensor_parallel_size,
-        parallel_config.data_parallel_size,
-        parallel_config.pipeline_parallel_size,
-        bool(parallel_config.enable_expert_parallel),
-    )
+    check_vllm_parallel(V41Arch.from_config(model_config.hf_config), parallel_config)

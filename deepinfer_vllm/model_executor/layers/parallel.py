@@ -35,8 +35,10 @@ from deepinfer_vllm.configs import V41Arch
 
 __all__ = [
     "ParallelLayout",
+    "TokenExchange",
     "all_reduce",
     "check_parallel",
+    "check_vllm_parallel",
     "gather_tokens",
     "split_evenly",
     "token_counts",
@@ -150,6 +152,17 @@ def check_parallel(arch: V41Arch, tp: int, dp: int, pp: int, expert_parallel: bo
             )
 
 
+def check_vllm_parallel(arch: V41Arch, parallel_config) -> None:
+    """``check_parallel`` with the sizes of a vLLM ``ParallelConfig``."""
+    check_parallel(
+        arch,
+        parallel_config.tensor_parallel_size,
+        parallel_config.data_parallel_size,
+        parallel_config.pipeline_parallel_size,
+        bool(parallel_config.enable_expert_parallel),
+    )
+
+
 # ---------------------------------------------------------------- collectives
 def _process_group(group, t: torch.Tensor):
     """The torch.distributed group of a vLLM coordinator that takes tensors on ``t``'s device."""
@@ -188,3 +201,39 @@ def token_counts(group, n: int, device) -> list[int]:
     out = torch.empty(group.world_size, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(out, mine, group=_process_group(group, out))
     return out.tolist()
+
+
+class TokenExchange:
+    """One layer's trip of this rank's tokens through the expert group (MoE, Engram).
+
+    ``gather`` stacks every data-parallel rank's rows (each padded to the longest,
+    in rank order), ``reduce`` sums what the group's ranks computed for them, in
+    the tensor's dtype, and ``own`` takes this rank's rows back.
+    """
+
+    def __init__(self, layout: ParallelLayout, n_tokens: int, device):
+        self.layout = layout
+        self.n_tokens = n_tokens
+        if layout.dp_size > 1:
+            from vllm.distributed import get_dp_group
+
+            self.dp = get_dp_group()
+            self.counts = token_counts(self.dp, n_tokens, torch.device(device))
+
+    def gather(self, rows: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        if self.layout.dp_size == 1:
+            return rows
+        return gather_tokens(self.dp, rows, self.counts, fill)
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout.moe_size == 1:
+            return t
+        from vllm.distributed import get_ep_group
+
+        return all_reduce(get_ep_group(), t)
+
+    def own(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.layout.dp_size == 1:
+            return rows
+        start = self.layout.dp_rank * max(self.counts)
+        return rows[start : start + self.n_tokens]

@@ -10,12 +10,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear
 from deepinfer_vllm.attention_backends.cache_layout import CacheDecl
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import V41Arch
-from deepinfer_vllm.model_executor.layers.parallel import (
-    ParallelLayout,
-    all_reduce,
-    gather_tokens,
-    token_counts,
-)
+from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenExchange
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.weights import held
 from deepinfer_vllm.ops import quant
@@ -122,22 +117,11 @@ class EngramTable(nn.Module):
 
     def lookup(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``rows [T, cols]`` (global row ids) -> decoded rows ``[T, cols, dim]`` in ``dtype``."""
-        layout = self.layout
-        if layout.moe_size == 1:
+        if self.layout.moe_size == 1:
             return quant.dequant_fp8_rows(self.weight[rows], self.scale[rows], dtype)
-        from vllm.distributed import get_dp_group, get_ep_group
-
-        T = rows.shape[0]
-        if layout.dp_size > 1:
-            dp = get_dp_group()
-            counts = token_counts(dp, T, rows.device)
-            rows = gather_tokens(dp, rows, counts, fill=self.row0)
+        ex = TokenExchange(self.layout, rows.shape[0], rows.device)
         # Every row has one owner, so the sum over ranks is that row, exactly.
-        emb = all_reduce(get_ep_group(), self._owned(rows, dtype))
-        if layout.dp_size > 1:
-            start = layout.dp_rank * max(counts)
-            emb = emb[start : start + T]
-        return emb
+        return ex.own(ex.reduce(self._owned(ex.gather(rows, fill=self.row0), dtype)))
 
 
 class V41Engram(nn.Module):

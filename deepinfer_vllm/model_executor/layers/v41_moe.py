@@ -23,14 +23,9 @@ from torch import nn
 from vllm.model_executor.layers.linear import ColumnParallelLinear
 
 from deepinfer_vllm.model_executor.layers.dequant import gemm_fp4
-from deepinfer_vllm.model_executor.layers.parallel import (
-    ParallelLayout,
-    all_reduce,
-    gather_tokens,
-    token_counts,
-)
+from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenExchange
 from deepinfer_vllm.model_executor.layers.weights import V41RowParallelLinear, held
-from deepinfer_vllm.ops.moe import route_sqrtsoftplus, swiglu_clamped
+from deepinfer_vllm.ops.moe import expert_choices, route_sqrtsoftplus, swiglu_clamped
 from deepinfer_vllm.ops.numerics import acc_dtype
 
 _PROJECTIONS = ("w1", "w2", "w3")
@@ -126,17 +121,11 @@ class RoutedExperts(nn.Module):
         partial down projection of every (token, choice) ``[N * k, hidden]``,
         to be summed over the ranks and then ``combine``d.
         """
-        N, k = ids.shape
         acc = acc_dtype(x.dtype)
-        flat_ids = ids.reshape(-1)
         flat_w = weights.reshape(-1).to(acc)
-        flat_rows = torch.arange(N, device=x.device).repeat_interleave(k)
-        rows_out = N * k if self.split else N
+        rows_out = ids.numel() if self.split else ids.shape[0]
         out = torch.zeros(rows_out, self.w2.shape[1], dtype=acc, device=x.device)
-        live = (flat_ids >= self.local.start) & (flat_ids < self.local.stop)
-        for e in torch.unique(flat_ids[live]).tolist():
-            sel = (flat_ids == e).nonzero(as_tuple=True)[0]
-            rows = flat_rows[sel]
+        for e, sel, rows in expert_choices(ids, self.local):
             i = e - self.local.start
             if self.split:
                 out[sel] = self._expert(i, x[rows], flat_w[sel], limit, acc)
@@ -144,17 +133,12 @@ class RoutedExperts(nn.Module):
                 out.index_add_(0, rows, self._expert(i, x[rows], flat_w[sel], limit, x.dtype).to(acc))
         return out
 
-    @staticmethod
-    def combine(summed: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def combine(self, summed: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Split experts: round each (token, choice) to ``dtype`` and sum a token's
         choices in ascending expert order, as one rank would."""
-        N, k = ids.shape
-        flat_ids = ids.reshape(-1)
-        flat_rows = torch.arange(N, device=summed.device).repeat_interleave(k)
-        out = torch.zeros(N, summed.shape[1], dtype=summed.dtype, device=summed.device)
-        for e in torch.unique(flat_ids[flat_ids >= 0]).tolist():
-            sel = (flat_ids == e).nonzero(as_tuple=True)[0]
-            out.index_add_(0, flat_rows[sel], summed[sel].to(dtype).to(summed.dtype))
+        out = torch.zeros(ids.shape[0], summed.shape[1], dtype=summed.dtype, device=summed.device)
+        for _, sel, rows in expert_choices(ids, self.local):
+            out.index_add_(0, rows, summed[sel].to(dtype).to(summed.dtype))
         return out
 
 
@@ -200,27 +184,11 @@ class V41MoE(nn.Module):
             bias_vl=self.gate.bias_vl,
             is_image=is_image,
         )
-        T = x.shape[0]
-        layout = self.layout
-        if layout.dp_size > 1:
-            from vllm.distributed import get_dp_group
-
-            dp = get_dp_group()
-            counts = token_counts(dp, T, x.device)
-            x_all = gather_tokens(dp, x, counts)
-            w_all = gather_tokens(dp, weights, counts)
-            ids_all = gather_tokens(dp, ids, counts, fill=-1)
-        else:
-            x_all, w_all, ids_all = x, weights, ids
-        routed = self.experts.partial(x_all, w_all, ids_all, self.swiglu_limit)
-        if layout.moe_size > 1:
-            from vllm.distributed import get_ep_group
-
-            routed = all_reduce(get_ep_group(), routed)
+        ex = TokenExchange(self.layout, x.shape[0], x.device)
+        ids_all = ex.gather(ids, fill=-1)
+        routed = ex.reduce(self.experts.partial(ex.gather(x), ex.gather(weights), ids_all, self.swiglu_limit))
         if self.experts.split:
-            routed = RoutedExperts.combine(routed, ids_all, x.dtype)
-        if layout.dp_size > 1:
-            start = layout.dp_rank * max(counts)
-            routed = routed[start : start + T]
+            routed = self.experts.combine(routed, ids_all, x.dtype)
+        routed = ex.own(routed)
         routed = routed + self.shared_experts(x, self.swiglu_limit).to(routed.dtype)
         return routed.to(x.dtype)

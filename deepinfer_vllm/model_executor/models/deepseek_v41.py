@@ -35,7 +35,7 @@ from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, mode
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.model_executor import checkpoint
-from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_parallel
+from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_vllm_parallel
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 from deepinfer_vllm.model_executor.layers.v41_engram import EngramTables, TokenHistory, V41Engram
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _HC = re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 # Groups the text backbone validates but does not hold until a feature runs them.
-NOT_HELD = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+NOT_HELD = (checkpoint.DSPARK_PREFIX, *checkpoint.VISION_PREFIXES)
 
 
 class HyperConnection(nn.Module):
@@ -139,14 +139,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         model_config = vllm_config.model_config
         self.model_config = model_config
         self.arch = arch = V41Arch.from_config(model_config.hf_config)
-        par = vllm_config.parallel_config
-        check_parallel(
-            arch,
-            par.tensor_parallel_size,
-            par.data_parallel_size,
-            par.pipeline_parallel_size,
-            bool(par.enable_expert_parallel),
-        )
+        check_vllm_parallel(arch, vllm_config.parallel_config)
         self.layout = layout = ParallelLayout.from_vllm(vllm_config)
         self.dtype = model_config.dtype
         self.yoco_mode, self.yoco_keep = envs.yoco_settings(arch.sliding_window)
