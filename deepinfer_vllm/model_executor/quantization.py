@@ -54,13 +54,13 @@ def _is_v41(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", None) == "deepseek_v41"
 
 
-def _weight_attrs(param: Parameter, weight_loader=None, **attrs) -> Parameter:
-    set_weight_attrs(param, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader, **attrs})
-    return param
+class _HeldWeights:
+    """``create_weights`` for the methods below: each names the parameters it holds for a
+    ``[rows, cols]`` slice (``params``), and every one of them is sharded by vLLM's
+    loaders along ``output_dim`` 0 / ``input_dim`` 1 like the weight."""
 
-
-class V41Fp8LinearMethod(LinearMethodBase):
-    """Dense FP8 E4M3 weight ``[out, in]`` + UE8M0 ``scale`` per 32x32 tile, as released."""
+    def params(self, layer, rows: int, cols: int, full: tuple[int, int]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
     def create_weights(
         self,
@@ -72,20 +72,27 @@ class V41Fp8LinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
-        loader = extra_weight_attrs.pop("weight_loader")
         rows, cols = sum(output_partition_sizes), input_size_per_partition
+        for name, data in self.params(layer, rows, cols, (output_size, input_size)).items():
+            param = Parameter(data, requires_grad=False)
+            set_weight_attrs(param, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+            layer.register_parameter(name, param)
+
+
+class V41Fp8LinearMethod(_HeldWeights, LinearMethodBase):
+    """Dense FP8 E4M3 weight ``[out, in]`` + UE8M0 ``scale`` per 32x32 tile, as released."""
+
+    def params(self, layer, rows: int, cols: int, full: tuple[int, int]) -> dict[str, torch.Tensor]:
         if rows % TILE or cols % TILE:
             raise ValueError(
                 f"{layer.prefix}: this rank's slice [{rows}, {cols}] of the FP8 weight "
-                f"[{output_size}, {input_size}] does not keep whole {TILE}x{TILE} scale tiles; "
+                f"{list(full)} does not keep whole {TILE}x{TILE} scale tiles; "
                 "choose a tensor_parallel_size that splits it into multiples of 32"
             )
-        weight = Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
-        scale = Parameter(
-            torch.empty(rows // TILE, cols // TILE, dtype=torch.float8_e8m0fnu), requires_grad=False
-        )
-        layer.register_parameter("weight", _weight_attrs(weight, loader, **extra_weight_attrs))
-        layer.register_parameter("scale", _weight_attrs(scale, loader, **extra_weight_attrs))
+        return {
+            "weight": torch.empty(rows, cols, dtype=torch.float8_e4m3fn),
+            "scale": torch.empty(rows // TILE, cols // TILE, dtype=torch.float8_e8m0fnu),
+        }
 
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequant.gemm_fp8(x, layer.weight, layer.scale, out_dtype)
@@ -96,27 +103,14 @@ class V41Fp8LinearMethod(LinearMethodBase):
         return dequant.gemm_fp8(x, layer.weight[rows], scale)
 
 
-class _StoredWeight:
-    """``create_weights`` of a weight held in the one dtype the checkpoint stores it in."""
+class _StoredWeight(_HeldWeights):
+    """A weight held in the one dtype the checkpoint stores it in."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
-    ) -> None:
-        weight = Parameter(
-            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=self.dtype),
-            requires_grad=False,
-        )
-        layer.register_parameter("weight", _weight_attrs(weight, **extra_weight_attrs))
+    def params(self, layer, rows: int, cols: int, full: tuple[int, int]) -> dict[str, torch.Tensor]:
+        return {"weight": torch.empty(rows, cols, dtype=self.dtype)}
 
 
 class V41StoredLinearMethod(_StoredWeight, LinearMethodBase):
@@ -124,9 +118,6 @@ class V41StoredLinearMethod(_StoredWeight, LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequant.gemm_stored(x, layer.weight, out_dtype)
-
-    def apply_rows(self, layer, x: torch.Tensor, rows: slice) -> torch.Tensor:
-        return dequant.gemm_stored(x, layer.weight[rows])
 
 
 class V41EmbeddingMethod(_StoredWeight, QuantizeMethodBase):
