@@ -112,14 +112,15 @@ def _vllm_config(model_dir: Path, tp: int, dp: int, ep: int, max_model_len: int 
 
 
 def _not_held(arch) -> dict[str, int]:
+    """Checkpoint bytes of the DSpark stages and the vision tower (whole model)."""
     from deepinfer_vllm.model_executor import checkpoint
+    from deepinfer_vllm.model_executor.quantization import TORCH_DTYPES
 
-    sizes = {checkpoint.FP8: 1, checkpoint.E8M0: 1, checkpoint.FP4: 1, checkpoint.BF16: 2, checkpoint.F32: 4}
     out = {"dspark": 0, "vision": 0}
     for name, spec in checkpoint.expected_tensors(arch).items():
         comp = component_of(name)
         if comp in out:
-            out[comp] += sizes[spec.dtype] * math.prod(spec.shape)
+            out[comp] += TORCH_DTYPES[spec.dtype].itemsize * math.prod(spec.shape)
     return out
 
 
@@ -130,7 +131,7 @@ def plan(
     if ep not in (1, tp * dp):
         raise ValueError(
             f"--ep {ep}: vLLM's expert parallelism spans data_parallel x tensor_parallel = {tp * dp} "
-            "ranks (enable_expert_parallel); use --ep 1 or --ep {tp * dp}"
+            f"ranks (enable_expert_parallel); use --ep 1 or --ep {tp * dp}"
         )
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -142,6 +143,7 @@ def plan(
     with tempfile.TemporaryDirectory() as scratch:
         vc = _vllm_config(_config_dir(config, Path(scratch)), tp, dp, ep, max_model_len)
         block = vc.cache_config.block_size
+        not_held = None
         for dp_rank in range(dp):
             for tp_rank in range(tp):
                 vc.compilation_config.static_forward_context = {}
@@ -157,16 +159,15 @@ def plan(
                     weights[component_of(name)] += param.numel() * param.element_size()
                 decls = [c.decl for c in model.cache_layers.values()]
                 per_token = bytes_per_token(decls, block)
-                arch = model.arch
+                # Sliding-window caches keep the blocks a window can span, per request.
                 window = sum(
-                    d.spec(block).page_size_bytes * -(-(arch.sliding_window + block - 1) // block)
+                    d.spec(block).page_size_bytes * -(-(d.sliding_window + block - 1) // block)
                     for d in decls
-                    if d.kind in ("window", "tokens")
+                    if d.sliding_window is not None
                 )
+                not_held = not_held or _not_held(model.arch)
                 plans.append(
-                    RankPlan(
-                        dp_rank * tp + tp_rank, tp_rank, dp_rank, weights, per_token, window, _not_held(arch)
-                    )
+                    RankPlan(dp_rank * tp + tp_rank, tp_rank, dp_rank, weights, per_token, window, not_held)
                 )
                 del model
     return plans
