@@ -74,9 +74,10 @@ class CacheDecl:
         return MLAAttentionSpec(tokens_per_state=self.ratio, **common)
 
 
-def layer_caches(arch: V41Arch, role: LayerRole) -> list[CacheDecl]:
-    """Caches owned by one backbone layer (KV sources own compressed + index)."""
-    prefix = f"layers.{role.layer_id}.attn"
+def layer_caches(arch: V41Arch, role: LayerRole, prefix: str | None = None) -> list[CacheDecl]:
+    """Caches owned by one layer (KV sources own compressed + index); ``prefix`` is the
+    attention module's name (default: the backbone's ``layers.{id}.attn``)."""
+    prefix = prefix or f"layers.{role.layer_id}.attn"
     decls = [
         CacheDecl(
             f"{prefix}.window_cache",
@@ -97,8 +98,18 @@ def layer_caches(arch: V41Arch, role: LayerRole) -> list[CacheDecl]:
     return decls
 
 
-def model_caches(arch: V41Arch) -> list[CacheDecl]:
+def dspark_prefix(k: int) -> str:
+    """Checkpoint / module prefix of DSpark stage ``k`` (spec §12.4)."""
+    return f"mtp.{k}"
+
+
+def model_caches(arch: V41Arch, dspark: bool = False) -> list[CacheDecl]:
+    """Every paged cache of the model; ``dspark`` adds the draft layers' window caches
+    (they exist only while DSpark speculative decoding is on)."""
     decls = [d for role in arch.roles for d in layer_caches(arch, role)]
+    if dspark:
+        for k, role in enumerate(arch.mtp_roles):
+            decls += layer_caches(arch, role, f"{dspark_prefix(k)}.attn")
     if arch.engram_layer_ids:
         decls.append(CacheDecl(TOKEN_HISTORY, "tokens", sliding_window=arch.engram_max_ngram_size))
     return decls

@@ -51,7 +51,16 @@ TILE = dequant.FP8_TILE
 
 
 def _is_v41(hf_config: Any) -> bool:
-    return getattr(hf_config, "model_type", None) == "deepseek_v41"
+    """A V4.1 config, or vLLM's view of it as the DSpark draft (``model_type`` rewritten
+    to ``deepseek_mtp``, architectures left as the checkpoint's)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "deepseek_v41":
+        return True
+    archs = getattr(hf_config, "architectures", None) or []
+    return model_type == "deepseek_mtp" and any(a in _V41_ARCHITECTURES for a in archs)
+
+
+_V41_ARCHITECTURES = ("DeepseekV41ForCausalLM", "DSparkV41DraftModel")
 
 
 class _HeldWeights:

@@ -71,21 +71,19 @@ class DeepInferCpuPlatform(CpuPlatform):
         scheduler_config.enable_chunked_prefill = chunked
         cache_config.enable_prefix_caching = prefix
         scheduler_config.max_num_batched_tokens = max_batched
-        spec = vllm_config.speculative_config
-        if spec is not None:
-            raise NotImplementedError(
-                "DSpark speculative decoding for DeepSeek-V4.1 is not available in "
-                "deepinfer-vllm yet; drop speculative_config."
-            )
+        dspark = None
+        if vllm_config.speculative_config is not None:
+            dspark = _configure_dspark(vllm_config)
         logger.info(
             "DeepInfer V4.1 on CPU: block_size=%d, chunked_prefill=%s, prefix_caching=%s, "
-            "tensor_parallel=%d, data_parallel=%d, expert_parallel=%s",
+            "tensor_parallel=%d, data_parallel=%d, expert_parallel=%s, dspark=%s",
             block_size,
             chunked,
             prefix,
             parallel_config.tensor_parallel_size,
             parallel_config.data_parallel_size,
             parallel_config.enable_expert_parallel,
+            "off" if dspark is None else f"k={dspark.num_speculative_tokens} adaptive={dspark.adaptive}",
         )
 
 
@@ -95,3 +93,17 @@ def _check_parallel(model_config, parallel_config) -> None:
     from deepinfer_vllm.model_executor.layers.parallel import check_vllm_parallel
 
     check_vllm_parallel(V41Arch.from_config(model_config.hf_config), parallel_config)
+
+
+def _configure_dspark(vllm_config):
+    """Validate DSpark for V4.1 and hand vLLM's V1 runner DeepInfer's proposer (``spec_decode.config``)."""
+    from pathlib import Path
+
+    from deepinfer_vllm.configs import V41Arch
+    from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index
+    from deepinfer_vllm.spec_decode.config import configure_dspark
+
+    model_dir = Path(vllm_config.model_config.model)
+    names = set(read_safetensors_index(model_dir)) if model_dir.is_dir() else None
+    arch = V41Arch.from_config(vllm_config.model_config.hf_config)
+    return configure_dspark(vllm_config, arch, names)

@@ -1,22 +1,33 @@
 """DeepInfer's CPU worker and model runner.
 
-The stock CPU runner is reused as is; ours only adds what V4.1's metadata
-needs and vLLM's common metadata does not carry: each request's prompt
-length, which anchors DeepInfer's prefill truncation of the decoder half
-(``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``). Other models never see a
-difference (only ``V41StepMetadata`` objects are touched).
+The stock CPU runner is reused as is; ours only adds what V4.1 needs and vLLM's
+V1 runner does not do:
+
+* each request's prompt length in the step metadata, which anchors DeepInfer's
+  prefill truncation of the decoder half (``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``);
+* DSpark drafting (``spec_decode``): the drafts of every step, their
+  distributions for vLLM's rejection sampler, and the cost table of adaptive
+  verification, profiled once the KV caches exist.
+
+Other models never see a difference (only ``V41StepMetadata`` objects are
+touched, and the DSpark hooks run only with DeepInfer's proposer).
 """
 
 from __future__ import annotations
+
+import time
 
 import vllm.v1.worker.cpu_worker as stock_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
+from deepinfer_vllm.spec_decode.proposer import DSparkProposer
 
 
 class DeepInferCPUModelRunner(CPUModelRunner):
+    _v41_step_metadata: dict | None = None
+
     def _build_attention_metadata(self, num_tokens: int, num_reqs: int, *args, **kwargs):
         attn_metadata, spec_metadata = super()._build_attention_metadata(num_tokens, num_reqs, *args, **kwargs)
         prompt_lens = None
@@ -29,7 +40,61 @@ class DeepInferCPUModelRunner(CPUModelRunner):
                             self.input_batch.num_prompt_tokens_cpu_tensor[: meta.num_reqs].to(dtype=meta.seq_lens.dtype)
                         )
                     meta.prompt_lens = prompt_lens
+        if isinstance(attn_metadata, dict):
+            self._v41_step_metadata = attn_metadata
         return attn_metadata, spec_metadata
+
+    # ---------------------------------------------------------------- DSpark
+    def _dspark(self) -> DSparkProposer | None:
+        drafter = getattr(self, "drafter", None)
+        return drafter if isinstance(drafter, DSparkProposer) else None
+
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        drafter = self._dspark()
+        if drafter is None or not drafter.settings.adaptive:
+            return super()._model_forward(input_ids, positions, *args, **kwargs)
+        t0 = time.perf_counter()
+        out = super()._model_forward(input_ids, positions, *args, **kwargs)
+        if positions is not None and self._v41_step_metadata:
+            drafter.verify_costs.observe(int(positions.shape[-1]), time.perf_counter() - t0)
+        return out
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        drafter = self._dspark()
+        if drafter is not None and drafter.settings.adaptive:
+            limit = min(
+                self.scheduler_config.max_num_batched_tokens,
+                self.scheduler_config.max_num_seqs * (1 + drafter.k),
+            )
+            drafter.profile(lambda n: self._dummy_run(n), limit)
+
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ):
+        drafter = self._dspark()
+        if drafter is None:
+            return super().propose_draft_token_ids(
+                scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings,
+            )
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        num_drafts = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
+        drafts, probs = drafter.draft(self, sampled_token_ids, self._v41_step_metadata or {}, num_drafts)
+        if probs is not None:
+            self._draft_probs = probs
+            self._draft_prob_req_ids = list(self.input_batch.req_ids)
+        return drafts
 
 
 class DeepInferCPUWorker(CPUWorker):

@@ -49,11 +49,21 @@ class _Request:
 
 
 class PagedHarness:
-    def __init__(self, model_dir: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 256):
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_blocks: int = 256,
+        speculative_config: dict | None = None,
+    ):
         import deepinfer_vllm
 
         deepinfer_vllm.register()
-        args = EngineArgs(model=model_dir, dtype=dtype, max_model_len=1024, block_size=block_size)
+        args = EngineArgs(
+            model=model_dir, dtype=dtype, max_model_len=1024, block_size=block_size,
+            speculative_config=speculative_config,
+        )
         self.cfg = args.create_engine_config()
         # As vLLM's loader does: the model dtype is torch's default while building.
         with set_current_vllm_config(self.cfg), set_default_torch_dtype(self.cfg.model_config.dtype):
@@ -130,4 +140,17 @@ class PagedHarness:
             )
         with set_forward_context(metadata, self.cfg):
             hidden = self.model(torch.tensor(ids), positions_t)
+        self.last_metadata = metadata
+        self.last_request_ids = [rid for rid, _ in chunks]
         return self.model.compute_logits(hidden)
+
+    def draft_block(self, rids: list[str], bonus: list[int], k: int):
+        """DSpark's parallel draft forward for requests of the last step (anchored at
+        each request's last token): ``hh [R*k, D]`` and base logits ``[R*k, V]``."""
+        from deepinfer_vllm.model_executor.layers.step_state import StepState
+
+        state = StepState.from_metadata(self.last_metadata, next(iter(self.last_metadata)))
+        rows = torch.tensor([self.last_request_ids.index(r) for r in rids])
+        anchor = torch.tensor([len(self.requests[r].tokens) - 1 for r in rids])
+        with torch.no_grad():
+            return self.model.draft_block(torch.tensor(bonus), anchor, rows, k, state)

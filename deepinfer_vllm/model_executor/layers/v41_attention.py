@@ -127,7 +127,7 @@ class V41Attention(nn.Module):
         self.compressed_cache: V41CacheLayer | None = None
         self.index_cache: V41CacheLayer | None = None
         self.ring_cache: V41CacheLayer | None = None
-        for decl in layer_caches(arch, role):
+        for decl in layer_caches(arch, role, prefix):
             layer = V41CacheLayer(decl)
             cache_layers[decl.name] = layer
             setattr(self, f"{decl.kind}_cache", layer)

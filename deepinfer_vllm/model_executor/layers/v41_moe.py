@@ -170,6 +170,23 @@ class V41MoE(nn.Module):
         self.experts = RoutedExperts(n_experts, hidden, inter, layout)
         self.shared_experts = SharedExpert(hidden, inter, quant_config, f"{prefix}.shared_experts")
 
+    @classmethod
+    def from_arch(cls, arch, n_experts: int, top_k: int, quant_config, layout: ParallelLayout, prefix: str):
+        """A block's MoE: the backbone's (``n_routed_experts``/``top_k``) or a DSpark stage's."""
+        return cls(
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            n_experts,
+            top_k,
+            arch.routed_scaling_factor,
+            arch.norm_topk_prob,
+            arch.swiglu_limit,
+            arch.image_token_id,
+            quant_config,
+            layout,
+            prefix=prefix,
+        )
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         is_image = None
         if self.image_token_id is not None:

@@ -22,7 +22,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -39,34 +38,24 @@ from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 from deepinfer_vllm.model_executor.layers.v41_engram import EngramTables, TokenHistory, V41Engram
+from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
-from deepinfer_vllm.model_executor.layers.weights import V41Norm, held
+from deepinfer_vllm.model_executor.layers.weights import V41Norm, linear
 from deepinfer_vllm.model_executor.quantization import DeepInferV41QuantConfig
-from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand, hc_mix, identity_pre
+from deepinfer_vllm.ops.dspark import draft_inputs, target_features
+from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand, identity_pre
 from deepinfer_vllm.ops.rope import build_rope_cache
+from deepinfer_vllm.spec_decode.config import dspark_settings
+from deepinfer_vllm.spec_decode.draft_model import build_stages
 
 logger = logging.getLogger(__name__)
 
 # Checkpoint names -> parameters where the two differ (everything else is the same name).
-_HC = re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
-# Groups the text backbone validates but does not hold until a feature runs them.
+_HC = re.compile(r"^((?:layers|mtp)\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+# Groups the model validates but does not hold until a feature runs them
+# (the DSpark stages are held while DSpark speculative decoding is on).
 NOT_HELD = (checkpoint.DSPARK_PREFIX, *checkpoint.VISION_PREFIXES)
-
-
-class HyperConnection(nn.Module):
-    """The mHC parameters of one sublayer site (fp32 in the checkpoint)."""
-
-    def __init__(self, arch: V41Arch):
-        super().__init__()
-        self.fn = held(arch.hc_mix_dim, arch.hc_mult * arch.hidden_size, dtype=torch.float32)
-        self.base = held(arch.hc_mix_dim, dtype=torch.float32)
-        self.scale = held(3, dtype=torch.float32)
-        self.arch = arch
-
-    def mix(self, streams: torch.Tensor):
-        a = self.arch
-        return hc_mix(streams, self.fn, self.base, self.scale, a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
 
 
 class DeepseekV41Block(nn.Module):
@@ -90,19 +79,7 @@ class DeepseekV41Block(nn.Module):
         self.hc_attn = HyperConnection(arch)
         self.hc_ffn = HyperConnection(arch)
         self.attn = V41Attention(arch, role, rope_cache, f"{prefix}.attn", cache_layers, quant_config, layout)
-        self.ffn = V41MoE(
-            arch.hidden_size,
-            arch.moe_intermediate_size,
-            arch.n_routed_experts,
-            arch.top_k,
-            arch.routed_scaling_factor,
-            arch.norm_topk_prob,
-            arch.swiglu_limit,
-            arch.image_token_id,
-            quant_config,
-            layout,
-            prefix=f"{prefix}.ffn",
-        )
+        self.ffn = V41MoE.from_arch(arch, arch.n_routed_experts, arch.top_k, quant_config, layout, f"{prefix}.ffn")
         self.engram = None
         if role.has_engram:
             idx = list(arch.engram_layer_ids).index(role.layer_id)
@@ -178,6 +155,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
         self.logits_processor = LogitsProcessor(arch.vocab_size)
 
+        # DSpark stages (``mtp.*``), built only while DSpark speculative decoding is on.
+        self.dspark = dspark_settings(vllm_config)
+        self.mtp = None
+        if self.dspark is not None:
+            self.mtp = build_stages(arch, main_rope, self.cache_layers, quant_config, layout)
+        self.not_held = tuple(p for p in NOT_HELD if not (self.mtp is not None and p == checkpoint.DSPARK_PREFIX))
+
         self.engram_tables: EngramTables | None = None
         self.token_history: TokenHistory | None = None
         if arch.engram_layer_ids:
@@ -234,17 +218,48 @@ class DeepseekV41ForCausalLM(nn.Module):
             engram_inputs = (ngram_ids, self.engram_tables, is_image)
         rows = torch.arange(T)
         compact_rows = self._apply_yoco(state) if state.has_caches else None
+        targets = arch.dspark_target_layer_ids if self.mtp is not None and state.has_caches else ()
+        entries: list[tuple[torch.Tensor, int]] = []  # (entry streams, rows at the time)
         for block in self.layers:
+            if block.role.layer_id in targets:
+                entries.append((streams, rows.numel()))
             keep = compact_rows if block.role.layer_id == arch.first_decoder_layer else None
             streams, pre, input_ids, state = block(streams, pre, input_ids, state, engram_inputs, keep)
             if keep is not None:
                 rows = rows[keep]
+        if entries:
+            # Targets before a compact boundary saw every row; keep the rows computed last.
+            feats = target_features([s if n == rows.numel() else s[rows] for s, n in entries])
+            self.write_dspark_context(feats, state)
         h = self.norm(hc_collapse(streams, pre))
         # Rows a compact prefill dropped are never sampled (their request's
         # last row is always kept); they come out as zeros.
         out = torch.zeros(positions.shape[0], arch.hidden_size, dtype=h.dtype, device=h.device)
         out[rows] = h
         return out
+
+    def write_dspark_context(self, features: torch.Tensor, state: StepState) -> None:
+        """Every DSpark stage's context keys for the rows of this step (spec §13.2)."""
+        first = self.mtp[0]
+        main = first.main_norm(linear(first.main_proj, features))
+        for stage in self.mtp:
+            stage.attn.write_context(main, state)
+
+    def draft_block(
+        self, bonus: torch.Tensor, anchor: torch.Tensor, req: torch.Tensor, k: int, state: StepState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark's parallel draft forward of ``R`` requests (request rows ``req`` of the
+        step ``state``): ``hh [R*k, D]`` (pre-norm) and fp32 base logits ``[R*k, V]``."""
+        arch = self.arch
+        ids, pos = draft_inputs(bonus, anchor, k, arch.dspark_noise_token_id)
+        x = self.embed_input_ids(ids)
+        streams = x.unsqueeze(1).expand(x.shape[0], arch.hc_mult, arch.hidden_size).contiguous()
+        pre = identity_pre(x.shape[0], arch.hc_mult, device=x.device)
+        for stage in self.mtp:
+            streams, pre = stage(streams, pre, ids, pos, req, anchor, k, state)
+        hh = hc_collapse(streams, pre)
+        base = self.logits_processor(self.head, self.mtp[-1].norm(hh))
+        return hh, base
 
     def _apply_yoco(self, state: StepState) -> torch.Tensor | None:
         """DeepInfer's prefill truncation of the decoder half (design §3).
@@ -297,7 +312,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             spec = specs.get(name)
             if spec is None or tuple(tensor.shape) != spec.shape or not spec.accepts(found[raw_name][1]):
                 continue  # reported by the validation below
-            if name.startswith(NOT_HELD):
+            if name.startswith(self.not_held):
                 continue
             m = _EXPERT.match(name)
             if m:
