@@ -32,6 +32,16 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_dspark_checkpoint(tmp_path_factory) -> str:
+    """``tiny`` (the same target weights) with a 5-token DSpark block and a trained draft."""
+    from deepinfer_vllm.tools.make_checkpoint import make_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_dspark")
+    make_checkpoint(out, preset="tiny-dspark", seed=0)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_reference(tiny_checkpoint):
     from deepinfer_vllm.reference.model import ReferenceV41
 

@@ -11,17 +11,27 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_vllm.ops.paged_records import RecordFormat
 from deepinfer_vllm.configs import LayerRole, V41Arch
+from deepinfer_vllm.ops.paged_records import RecordFormat
 
 WINDOW_FORMAT = "mxfp8"
 COMPRESSED_FORMAT = "nvfp4"
 INDEX_FORMAT = "mxfp4"
 
-# Rows kept per request in the ratio-2 compressor ring. A pair is pooled when
-# its second token arrives; the first may have come one step earlier, so two
-# rows suffice without speculation; four leave room for a rejected draft.
+# Rows kept per request in the ratio-2 compressor ring without speculation. A
+# pair is pooled when its second token arrives; the first may have come one
+# step earlier, so two rows suffice; four leave room for one rejected draft.
 COMPRESSOR_RING_ROWS = 4
+
+
+def compressor_ring_rows(num_speculative_tokens: int = 0) -> int:
+    """Ring rows per request: a verify step of ``1 + k`` tokens whose drafts are all
+    rejected resumes one position after its first row, which may be the open pair's
+    first token, ``k + 1`` rows back from the step's end. A power of two, so it divides
+    the other caches' block size (vLLM's prefix caching hashes blocks of a common size)."""
+    need = max(COMPRESSOR_RING_ROWS, num_speculative_tokens + 1)
+    return 1 << (need - 1).bit_length()
+
 
 TOKEN_HISTORY = "layers.0.token_history"
 
@@ -36,6 +46,7 @@ class CacheDecl:
     ratio: int = 1
     sliding_window: int | None = None
     ring_row_floats: int = 0
+    ring_rows: int = COMPRESSOR_RING_ROWS
 
     def spec(self, block_size: int, page_size_padded: int | None = None):
         """The vLLM ``KVCacheSpec`` of this cache (pages optionally padded)."""
@@ -43,7 +54,7 @@ class CacheDecl:
 
         if self.kind == "ring":
             return CircularBufferSpec(
-                block_size=COMPRESSOR_RING_ROWS,
+                block_size=self.ring_rows,
                 num_kv_heads=1,
                 head_size=self.ring_row_floats,
                 head_size_v=0,
@@ -74,7 +85,9 @@ class CacheDecl:
         return MLAAttentionSpec(tokens_per_state=self.ratio, **common)
 
 
-def layer_caches(arch: V41Arch, role: LayerRole, prefix: str | None = None) -> list[CacheDecl]:
+def layer_caches(
+    arch: V41Arch, role: LayerRole, prefix: str | None = None, num_speculative_tokens: int = 0
+) -> list[CacheDecl]:
     """Caches owned by one layer (KV sources own compressed + index); ``prefix`` is the
     attention module's name (default: the backbone's ``layers.{id}.attn``)."""
     prefix = prefix or f"layers.{role.layer_id}.attn"
@@ -94,7 +107,14 @@ def layer_caches(arch: V41Arch, role: LayerRole, prefix: str | None = None) -> l
             CacheDecl(f"{prefix}.index_cache", "index", RecordFormat(INDEX_FORMAT, arch.index_head_dim), role.ratio)
         )
         if role.ratio == 2:
-            decls.append(CacheDecl(f"{prefix}.ring_cache", "ring", ring_row_floats=2 * arch.head_dim))
+            decls.append(
+                CacheDecl(
+                    f"{prefix}.ring_cache",
+                    "ring",
+                    ring_row_floats=2 * arch.head_dim,
+                    ring_rows=compressor_ring_rows(num_speculative_tokens),
+                )
+            )
     return decls
 
 

@@ -5,7 +5,11 @@ block size 16, switches prefix caching and chunked prefill off, and its
 sparse-attention selector raises. DeepInfer's V4.1 runs its own paged caches
 through its own backend, so for V4.1 models this platform restores what the
 user asked for (or vLLM's defaults) and routes attention selection to our
-backend. Every other model sees exactly the stock ``CpuPlatform``.
+backend. Every other model sees exactly the stock ``CpuPlatform``, with one
+fix any model's speculative sampling needs: vLLM 0.32's C++ fallback of the
+rejection sampler's ``expand_kernel`` casts its float output to int64, so the
+per-token temperatures (and top-p) of random requests are never written and
+verification samples from garbage (NaN) distributions; ours keeps the dtype.
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ class DeepInferCpuPlatform(CpuPlatform):
         return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
 
     @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        super().register_triton_kernel_overrides()
+        from vllm.triton_utils import HAS_TRITON
+
+        if HAS_TRITON:
+            return
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_batch_values})
+
+    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
         if not is_v41(model_config):
@@ -85,6 +100,17 @@ class DeepInferCpuPlatform(CpuPlatform):
             parallel_config.enable_expert_parallel,
             "off" if dspark is None else f"k={dspark.num_speculative_tokens} adaptive={dspark.adaptive}",
         )
+
+
+def expand_batch_values(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """``expand_kernel`` of vLLM's rejection sampler in torch, any dtype: request ``i``'s
+    value (``replace_from`` mapped to ``replace_to``) repeated over its tokens."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1).to(torch.int64))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
 
 
 def _check_parallel(model_config, parallel_config) -> None:

@@ -89,7 +89,7 @@ class ReferenceDSpark:
         self.w = {k: (v.to(acc) if v.is_floating_point() else v) for k, v in weights.items()}
 
     @classmethod
-    def from_pretrained(cls, target: ReferenceV41, model_dir: str | Path) -> "ReferenceDSpark":
+    def from_pretrained(cls, target: ReferenceV41, model_dir: str | Path) -> ReferenceDSpark:
         return cls(target, load_dspark_weights(target.arch, model_dir))
 
     # ------------------------------------------------------------------ pieces
@@ -207,7 +207,7 @@ class ReferenceDSpark:
         f = self.features(prefix_ids)
         p = len(prefix_ids) - 1
         anchor = torch.tensor([p])
-        ctx_pos, ctx_valid = context_window(anchor, a.sliding_window)
+        ctx_pos, _ = context_window(anchor, a.sliding_window)
         main = self.main(f)[ctx_pos.clamp_min(0)]  # [1, W, D]
         hh, base = self.block_outputs(main, torch.tensor([bonus]), anchor, k)
         last = f"mtp.{a.num_mtp_layers - 1}"

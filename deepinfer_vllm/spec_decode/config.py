@@ -85,7 +85,7 @@ def configure_dspark(vllm_config, arch: V41Arch, checkpoint_names: set[str] | No
     settings = DSparkSettings(num_speculative_tokens=k, adaptive=bool(spec.enable_adaptive_verification))
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
-        raise ValueError("additional_config must be a dict to run DSpark")
+        raise TypeError("additional_config must be a dict to run DSpark")
     extra[ADDITIONAL_CONFIG_KEY] = asdict(settings)
     spec.method = "custom_class"
     spec.model = PROPOSER_CLASS

@@ -277,14 +277,24 @@ _FLASH = {
         },
     }
 
-# Presets whose random weights ``make_checkpoint`` writes.
-WEIGHT_PRESETS = ("tiny", "small")
+# ``tiny`` with a five-token DSpark block; ``make_checkpoint`` trains its draft
+# stages on the target's own greedy continuations (``tools.train_dspark``).
+_TINY_DSPARK_TEXT = {**_TINY_TEXT, "dspark_block_size": 5}
+
+# Presets whose weights ``make_checkpoint`` writes (random; ``tiny-dspark``'s draft trained).
+WEIGHT_PRESETS = ("tiny", "small", "tiny-dspark")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         **_TOP_LEVEL,
         "quantization_config": _QUANTIZATION,
         "text_config": _TINY_TEXT,
+        "vision_config": _TINY_VISION,
+    },
+    "tiny-dspark": {
+        **_TOP_LEVEL,
+        "quantization_config": _QUANTIZATION,
+        "text_config": _TINY_DSPARK_TEXT,
         "vision_config": _TINY_VISION,
     },
     "small": {

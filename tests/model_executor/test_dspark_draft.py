@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from v41_harness import PagedHarness
 
 from deepinfer_vllm.ops.dspark import confidence, markov_logits
@@ -71,7 +70,7 @@ def test_draft_after_chunked_prefill_and_verify_steps(harness, ref_draft, accept
 def test_draft_batched_requests_short_and_long(harness, ref_draft, acceptance_prompts):
     short, long = acceptance_prompts[0][:5], acceptance_prompts[2]  # 5 < window 8 <= 200
     harness.step([("s", short), ("l", long)])
-    hh, base = harness.draft_block(["s", "l"], [11, 12], K)
+    _, base = harness.draft_block(["s", "l"], [11, 12], K)
     for j, (rid, bonus) in enumerate((("s", 11), ("l", 12))):
         want = ref_draft.draft_greedy(harness.requests[rid].tokens, bonus, K)
         torch.testing.assert_close(base[j * K : (j + 1) * K], want.base, rtol=0, atol=1e-5)

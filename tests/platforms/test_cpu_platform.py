@@ -92,3 +92,18 @@ def test_parallel_rules():
     assert lay.local_experts(384) == range(384) and lay.expert_inter(2304) == (864, 288)
     # Engram rows: ceil(rows / ranks) each, the remainder last.
     assert [ParallelLayout(tp_size=4, tp_rank=r).engram_rows(10) for r in range(4)] == [(0, 3), (3, 3), (6, 3), (9, 1)]
+
+
+def test_expand_kernel_fix_keeps_float_values():
+    """vLLM 0.32's CPU fallback writes float temperatures through an int64 copy (never back);
+    ours repeats each request's value over its tokens in the output's dtype."""
+    import torch
+
+    from deepinfer_vllm.platforms.cpu import expand_batch_values
+
+    out = torch.full((6,), float("nan"))
+    expand_batch_values(out, torch.tensor([0.7, -1.0, 1.3]), torch.tensor([2, 5, 6]), -1.0, 1.0)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
+    ints = torch.zeros(3, dtype=torch.int64)
+    expand_batch_values(ints, torch.tensor([4, 9]), torch.tensor([1, 3]), 0, 0)
+    assert ints.tolist() == [4, 9, 9]

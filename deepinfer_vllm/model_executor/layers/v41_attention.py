@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear
 
+from deepinfer_vllm.attention_backends.cache_layout import layer_caches
 from deepinfer_vllm.attention_backends.kernel_select import choose_attention_kernels
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
-from deepinfer_vllm.attention_backends.cache_layout import layer_caches
 from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
@@ -127,7 +127,8 @@ class V41Attention(nn.Module):
         self.compressed_cache: V41CacheLayer | None = None
         self.index_cache: V41CacheLayer | None = None
         self.ring_cache: V41CacheLayer | None = None
-        for decl in layer_caches(arch, role, prefix):
+        spec_tokens = get_current_vllm_config().num_speculative_tokens
+        for decl in layer_caches(arch, role, prefix, spec_tokens):
             layer = V41CacheLayer(decl)
             cache_layers[decl.name] = layer
             setattr(self, f"{decl.kind}_cache", layer)

@@ -1,0 +1,86 @@
+"""DSpark through vllm.LLM is lossless: greedy tokens with drafts equal the target's alone (fp32).
+
+One engine per DSpark setting (k = 1, 3, 5; adaptive verification off and on), each with
+chunked prefill (64-token chunks), prefix caching, and a KV budget small enough to preempt.
+The target is ``tiny``'s (the ``tiny-dspark`` preset only adds a 5-token block and a
+trained draft), so the reference greedy continuations apply unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+SETTINGS = {
+    "k1": {"num_speculative_tokens": 1},
+    "k3": {"num_speculative_tokens": 3},
+    "k5": {"num_speculative_tokens": 5},
+    "k3-adaptive": {"num_speculative_tokens": 3, "enable_adaptive_verification": True},
+    "k5-adaptive": {"num_speculative_tokens": 5, "enable_adaptive_verification": True},
+}
+
+
+def _metric(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def _per_position(llm) -> list[float]:
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            return list(m.values)
+    return []
+
+
+@pytest.fixture(scope="module", params=sorted(SETTINGS))
+def engine(request, tiny_dspark_checkpoint):
+    llm = LLM(
+        model=tiny_dspark_checkpoint,
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,  # the 200-token prompt prefills in 4 chunks
+        num_gpu_blocks_override=64,
+        disable_log_stats=False,
+        speculative_config={"method": "dspark", **SETTINGS[request.param]},
+    )
+    yield request.param, llm
+    del llm
+
+
+def _ids(prompt):
+    return {"prompt_token_ids": prompt}
+
+
+def test_batched_greedy_with_drafts_equals_the_target(engine, acceptance_prompts, reference_greedy):
+    name, llm = engine
+    drafts_before = _metric(llm, "vllm:spec_decode_num_drafts")
+    outs = llm.generate([_ids(p) for p in acceptance_prompts], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference_greedy
+    assert _metric(llm, "vllm:spec_decode_num_drafts") > drafts_before, f"{name}: nothing was drafted"
+    k = SETTINGS[name]["num_speculative_tokens"]
+    assert len(_per_position(llm)) == k
+
+
+def test_one_at_a_time_and_prefix_hit(engine, acceptance_prompts, tiny_reference):
+    _, llm = engine
+    base = acceptance_prompts[2]
+    first = base[:150] + [7, 8, 9]
+    second = base[:150] + [11, 12, 13, 14]
+    out_first = llm.generate([_ids(first)], GREEDY)[0]
+    out_second = llm.generate([_ids(second)], GREEDY)[0]
+    assert out_second.num_cached_tokens >= 128, out_second.num_cached_tokens
+    assert list(out_first.outputs[0].token_ids) == tiny_reference.greedy_generate(first, 16)
+    assert list(out_second.outputs[0].token_ids) == tiny_reference.greedy_generate(second, 16)
+
+
+def test_many_requests_preempt_and_stay_exact(engine, acceptance_prompts, reference_greedy):
+    _, llm = engine
+    before = _metric(llm, "vllm:num_preemptions")
+    prompts = acceptance_prompts * 3
+    outs = llm.generate([_ids(p) for p in prompts], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference_greedy * 3
+    assert _metric(llm, "vllm:num_preemptions") > before, "the KV budget did not force a preemption"

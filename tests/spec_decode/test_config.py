@@ -1,0 +1,79 @@
+"""DSpark's config-time checks: vLLM's spelling in, our proposer out, clear errors naming the field."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from deepinfer_vllm.spec_decode.config import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, dspark_settings
+
+
+def _config(model: str, spec: dict | None, **kwargs):
+    return EngineArgs(model=model, max_model_len=256, speculative_config=spec, **kwargs).create_engine_config()
+
+
+def test_dspark_is_recorded_and_handed_to_our_proposer(tiny_checkpoint):
+    cfg = _config(
+        tiny_checkpoint, {"method": "dspark", "num_speculative_tokens": 2, "enable_adaptive_verification": True}
+    )
+    settings = dspark_settings(cfg)
+    assert (settings.num_speculative_tokens, settings.adaptive) == (2, True)
+    assert cfg.additional_config[ADDITIONAL_CONFIG_KEY] == {"num_speculative_tokens": 2, "adaptive": True}
+    spec = cfg.speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("custom_class", PROPOSER_CLASS, 2)
+    assert spec.enable_adaptive_verification is False  # vLLM's V1 runner refuses it; ours runs it
+    assert cfg.num_lookahead_tokens == 0  # draft keys are never stored past the verified tokens
+
+
+def test_no_speculative_config_means_no_dspark(tiny_checkpoint):
+    assert dspark_settings(_config(tiny_checkpoint, None)) is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"method": "dspark", "num_speculative_tokens": 4}, r"num_speculative_tokens=4: .*1 to dspark_block_size \(3\)"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, r"speculative_config.method='ngram'"),
+        (
+            {"method": "dspark", "num_speculative_tokens": 2, "dspark_draft_topk": 4},
+            r"dspark_draft_topk",
+        ),
+    ],
+)
+def test_bad_speculative_configs_name_the_field(tiny_checkpoint, spec, match):
+    with pytest.raises(ValueError, match=match):
+        _config(tiny_checkpoint, spec)
+
+
+def test_checkpoint_without_dspark_stages_is_refused(tmp_path):
+    from deepinfer_vllm.tools.make_checkpoint import make_checkpoint
+
+    out = make_checkpoint(tmp_path / "nomtp", preset="tiny", include_mtp=False)
+    with pytest.raises(ValueError, match=r"method='dspark': this checkpoint's config has no DSpark stages"):
+        _config(str(out), {"method": "dspark", "num_speculative_tokens": 1})
+
+
+def test_config_with_stages_but_no_mtp_tensors_is_refused(tmp_path, tiny_checkpoint):
+    """A config that promises DSpark stages over weights exported without them."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "stripped"
+    shutil.copytree(tiny_checkpoint, out)
+    tensors = {n: t for n, t in load_file(str(out / "model.safetensors")).items() if not n.startswith("mtp.")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((out / "config.json").read_text())["text_config"]["num_nextn_predict_layers"] == 2
+    with pytest.raises(ValueError, match=r"the checkpoint has no mtp\.\* tensors"):
+        _config(str(out), {"method": "dspark", "num_speculative_tokens": 1})
+
+
+def test_data_parallel_with_dspark_is_refused_for_now(tiny_checkpoint):
+    with pytest.raises(ValueError, match=r"data_parallel_size > 1"):
+        _config(
+            tiny_checkpoint,
+            {"method": "dspark", "num_speculative_tokens": 1},
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+        )
