@@ -32,6 +32,7 @@ setup(
         "console_scripts": [
             "deepinfer-make-checkpoint = deepinfer_vllm.tools.make_checkpoint:main",
             "deepinfer-memory-plan = deepinfer_vllm.tools.memory_plan:main",
+            "deepinfer-train-dspark = deepinfer_vllm.tools.train_dspark:main",
             "deepinfer-weight-bytes = deepinfer_vllm.tools.weight_bytes:main",
         ],
     },

@@ -9,6 +9,7 @@ the plugin stays cheap to import in every vLLM process.
 | ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` | ``0`` (= ``sliding_window + 12`` when truncating) | retained suffix ``KEEP``; must be at least ``sliding_window``. |
 | ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). |
 | ``DEEPINFER_MODEL`` | ``auto`` | which class serves ``DeepseekV41ForCausalLM``. ``deepinfer``: this plugin's (released formats held as released, TP/DP/EP through vLLM's groups). ``vllm``: vLLM's in-tree class (the plugin registers nothing). ``auto``: vLLM's on CUDA and ROCm, where the in-tree class runs the release on the GPU; the plugin's everywhere else (vLLM's is GPU-only). The choice is logged. |
+| ``DEEPINFER_USE_NEXTN_DECODE`` | unset | DeepInfer's DSpark draft width ``k``: used where vLLM's ``speculative_config`` leaves ``num_speculative_tokens`` to its default. vLLM 0.32 accepts that only when the config names the draft ``model`` (for DSpark, the checkpoint itself) and then fills in ``dspark_block_size``; with this variable set, the platform uses its value instead (an explicit ``num_speculative_tokens`` equal to ``dspark_block_size`` cannot be told apart and yields too). ``0`` refuses DSpark. |
 | ``DEEPINFER_ATTENTION_KERNELS`` | ``auto`` | kernels of the attention hot path (cache writes, indexer + top-k, sparse attention). ``auto``: our Triton kernels on CUDA devices, the PyTorch reference elsewhere. ``torch``: always the reference. ``triton``: always Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). The choice is logged once. |
 """
 
@@ -72,6 +73,20 @@ ATTENTION_KERNEL_MODES = ("auto", "torch", "triton")
 
 def attention_kernels() -> str:
     return _choice("DEEPINFER_ATTENTION_KERNELS", ATTENTION_KERNEL_MODES)
+
+
+def nextn_decode() -> int | None:
+    """``DEEPINFER_USE_NEXTN_DECODE`` as an int, or None when unset."""
+    raw = _get("DEEPINFER_USE_NEXTN_DECODE", "")
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE={raw!r}; expected a draft count (int >= 0)") from None
+    if value < 0:
+        raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE={value}; expected a draft count (int >= 0)")
+    return value
 
 
 MODEL_CHOICES = ("auto", "deepinfer", "vllm")

@@ -123,3 +123,41 @@ def test_parallel_layers_and_groups_we_build_on():
     for attr in ("self.cpu_group", "self.device_group", "self.world_size", "self.rank_in_group"):
         assert attr in init, attr
     assert issubclass(V41Fp8LinearMethod, linear.LinearMethodBase)
+
+
+def test_v1_runner_speculative_hooks_dspark_relies_on():
+    """DSpark on Model Runner V1 (``spec_decode``, ``platforms.cpu_worker``): the custom
+    proposer extension point, the draft-probability hand-off to the rejection sampler, and
+    the runner methods our runner wraps."""
+    import inspect
+
+    from vllm.config import VllmConfig
+    from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert callable(create_custom_proposer)
+    params = list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)
+    assert params == [
+        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+        "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
+        "slot_mappings",
+    ]
+    source = inspect.getsource(GPUModelRunner)
+    for name in ("self._draft_probs", "self._draft_prob_req_ids", "def _get_spec_decode_draft_probs",
+                 "def _build_attention_metadata", "def _model_forward", "def _dummy_run",
+                 'spec_config.method == "custom_class"'):
+        assert name in source, name
+    # Why the platform rewrites the method: V1 refuses DSpark and adaptive verification itself.
+    v1_check = inspect.getsource(VllmConfig._get_v1_model_runner_unsupported_features)
+    assert '"dspark speculative decoding"' in v1_check and '"adaptive draft verification"' in v1_check
+
+
+def test_cpu_expand_kernel_fallback_still_needs_our_fix():
+    """vLLM's C++ fallback writes ``expand_kernel``'s output through an int64 copy; when this
+    starts failing, vLLM fixed it and ``DeepInferCpuPlatform.register_triton_kernel_overrides``
+    can go."""
+    import inspect
+
+    from vllm.utils import cpu_triton_utils
+
+    assert "_ensure_int64(output)" in inspect.getsource(cpu_triton_utils._expand_kernel_impl)

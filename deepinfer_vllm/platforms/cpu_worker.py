@@ -25,6 +25,11 @@ from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
 from deepinfer_vllm.spec_decode.proposer import DSparkProposer
 
 
+# Adaptive verification's start-up profile stops here; larger steps are
+# extrapolated from the last two sizes (the cost is linear there).
+PROFILE_MAX_TOKENS = 512
+
+
 class DeepInferCPUModelRunner(CPUModelRunner):
     _v41_step_metadata: dict | None = None
 
@@ -66,6 +71,7 @@ class DeepInferCPUModelRunner(CPUModelRunner):
             limit = min(
                 self.scheduler_config.max_num_batched_tokens,
                 self.scheduler_config.max_num_seqs * (1 + drafter.k),
+                PROFILE_MAX_TOKENS,
             )
             drafter.profile(lambda n: self._dummy_run(n), limit)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from deepinfer_vllm import envs
 from deepinfer_vllm.configs import V41Arch
 
 ADDITIONAL_CONFIG_KEY = "deepinfer_dspark"
@@ -69,10 +70,21 @@ def configure_dspark(vllm_config, arch: V41Arch, checkpoint_names: set[str] | No
             "it was exported without its draft"
         )
     k = spec.num_speculative_tokens
+    env_k = envs.nextn_decode()
+    if env_k == 0:
+        raise ValueError(
+            "speculative_config.method='dspark' but DEEPINFER_USE_NEXTN_DECODE=0 switches DSpark off; "
+            "unset one of them"
+        )
+    if env_k is not None and k == arch.dspark_block_size:
+        # vLLM's fill-in for an omitted num_speculative_tokens (see envs.py).
+        k = env_k
     if not 1 <= k <= arch.dspark_block_size:
         raise ValueError(
-            f"speculative_config.num_speculative_tokens={k}: DSpark drafts 1 to dspark_block_size "
-            f"({arch.dspark_block_size}) tokens per step for this checkpoint"
+            f"speculative_config.num_speculative_tokens={k}"
+            + (" (from DEEPINFER_USE_NEXTN_DECODE)" if env_k is not None and k == env_k else "")
+            + f": DSpark drafts 1 to dspark_block_size ({arch.dspark_block_size}) tokens per step "
+            "for this checkpoint"
         )
     parallel = vllm_config.parallel_config
     if parallel.data_parallel_size > 1:
@@ -87,6 +99,7 @@ def configure_dspark(vllm_config, arch: V41Arch, checkpoint_names: set[str] | No
     if not isinstance(extra, dict):
         raise TypeError("additional_config must be a dict to run DSpark")
     extra[ADDITIONAL_CONFIG_KEY] = asdict(settings)
+    spec.num_speculative_tokens = k
     spec.method = "custom_class"
     spec.model = PROPOSER_CLASS
     spec.enable_adaptive_verification = False

@@ -39,7 +39,7 @@ from deepinfer_vllm.configs import ConfigError, DeepseekV41Config, V41Arch
 from deepinfer_vllm.model_executor import checkpoint as ckpt
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer, engram_primes
-from deepinfer_vllm.tools.presets import PRESETS, WEIGHT_PRESETS, get_preset
+from deepinfer_vllm.tools.presets import PRESETS, TRAINED_DRAFT_PRESETS, WEIGHT_PRESETS, get_preset
 from deepinfer_vllm.tools.tokenizer_builder import (
     build_v41_tokenizer,
     build_wordlevel_tokenizer,
@@ -197,27 +197,30 @@ def _random_tensors(
         if spec.dtype == ckpt.E8M0:
             continue  # written together with its weight
         g = torch.Generator().manual_seed(_tensor_seed(seed, name))
-        if spec.dtype == ckpt.FP4:
-            rows, packed = spec.shape
-            codes, scale = quant.quant_fp4_rows(_dense_value(name, (rows, 2 * packed), arch, g))
-            out[name] = codes.view(torch.int8)
-        elif spec.dtype == ckpt.FP8:
-            dense = _dense_value(name, spec.shape, arch, g)
-            if name.endswith("engram.embed.weight"):
-                codes, scale = quant.quant_fp8_rows(dense)
-            else:
-                codes, scale = quant.quant_fp8_block(dense, ckpt.BLOCK)
-            out[name] = codes.view(torch.float8_e4m3fn)
-        else:
-            out[name] = _dense_value(name, spec.shape, arch, g).to(_STORAGE[spec.dtype])
-            continue
-        sname = ckpt.scale_name(name)
-        if tuple(scale.shape) != specs[sname].shape:
-            raise AssertionError(
-                f"{sname}: quantiser gave {tuple(scale.shape)}, format says {specs[sname].shape}"
-            )
-        out[sname] = scale.view(torch.float8_e8m0fnu)
+        shape = (spec.shape[0], 2 * spec.shape[1]) if spec.dtype == ckpt.FP4 else spec.shape
+        out.update(encode_tensor(name, _dense_value(name, shape, arch, g), specs))
     return out
+
+
+def encode_tensor(name: str, dense: torch.Tensor, specs: Mapping[str, ckpt.TensorSpec]) -> dict[str, torch.Tensor]:
+    """fp32 values of tensor ``name`` in its storage format: the tensor, plus its UE8M0
+    scale for FP8 / FP4 weights (``specs``: ``checkpoint.expected_tensors``)."""
+    spec = specs[name]
+    if spec.dtype == ckpt.FP4:
+        codes, scale = quant.quant_fp4_rows(dense)
+        stored = codes.view(torch.int8)
+    elif spec.dtype == ckpt.FP8:
+        if name.endswith("engram.embed.weight"):
+            codes, scale = quant.quant_fp8_rows(dense)
+        else:
+            codes, scale = quant.quant_fp8_block(dense, ckpt.BLOCK)
+        stored = codes.view(torch.float8_e4m3fn)
+    else:
+        return {name: dense.to(_STORAGE[spec.dtype])}
+    sname = ckpt.scale_name(name)
+    if tuple(scale.shape) != specs[sname].shape:
+        raise AssertionError(f"{sname}: quantiser gave {tuple(scale.shape)}, format says {specs[sname].shape}")
+    return {name: stored, sname: scale.view(torch.float8_e8m0fnu)}
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -260,6 +263,13 @@ def make_checkpoint(
         stale.unlink(missing_ok=True)
     save_file(random_tensors(arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     save_tokenizer(tok, out, arch.max_position_embeddings)
+    if config is None and preset in TRAINED_DRAFT_PRESETS:
+        # The draft is trained on the target just written (config.json first: the
+        # reference loads the directory), then config.json is written again last.
+        _write_generation_and_config(out, arch, cfg)
+        from deepinfer_vllm.tools.train_dspark import Recipe, train_draft
+
+        train_draft(out, Recipe(seed=seed), log=lambda line: print(line, file=sys.stderr))
     _write_generation_and_config(out, arch, cfg)
     return out
 

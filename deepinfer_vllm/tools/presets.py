@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["PRESETS", "WEIGHT_PRESETS", "flash_config", "get_preset"]
+__all__ = ["PRESETS", "TRAINED_DRAFT_PRESETS", "WEIGHT_PRESETS", "flash_config", "get_preset"]
 
 # spec §2.4: the released quantisation (identical for every preset).
 _QUANTIZATION = {
@@ -283,6 +283,8 @@ _TINY_DSPARK_TEXT = {**_TINY_TEXT, "dspark_block_size": 5}
 
 # Presets whose weights ``make_checkpoint`` writes (random; ``tiny-dspark``'s draft trained).
 WEIGHT_PRESETS = ("tiny", "small", "tiny-dspark")
+# Presets whose DSpark draft ``make_checkpoint`` trains after writing the target.
+TRAINED_DRAFT_PRESETS = ("tiny-dspark",)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {

@@ -77,6 +77,27 @@ def test_one_at_a_time_and_prefix_hit(engine, acceptance_prompts, tiny_reference
     assert list(out_second.outputs[0].token_ids) == tiny_reference.greedy_generate(second, 16)
 
 
+@pytest.fixture(scope="module")
+def fitted_prompts(tiny_reference):
+    """Prompts whose continuations the tiny-dspark draft was trained on, with the reference's
+    greedy continuations: the draft accepts here, so accepted-token paths run."""
+    from deepinfer_vllm.tools.train_dspark import Recipe, recipe_prompts
+
+    recipe = Recipe()
+    prompts = recipe_prompts(recipe)[0][:4]
+    return prompts, [tiny_reference.greedy_generate(p, recipe.continuation) for p in prompts], recipe.continuation
+
+
+def test_accepted_drafts_keep_the_target_tokens(engine, fitted_prompts):
+    name, llm = engine
+    prompts, want, n = fitted_prompts
+    accepted_before = _metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([_ids(p) for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert _metric(llm, "vllm:spec_decode_num_accepted_tokens") > accepted_before, f"{name}: no draft accepted"
+
+
 def test_many_requests_preempt_and_stay_exact(engine, acceptance_prompts, reference_greedy):
     _, llm = engine
     before = _metric(llm, "vllm:num_preemptions")

@@ -12,14 +12,12 @@ import concurrent.futures as cf
 import math
 import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import requests
 import torch
+from server_process import openai_server
 
 from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index
 from deepinfer_vllm.model_executor.weight_bytes import component_of
@@ -95,60 +93,15 @@ def test_tp2_each_rank_holds_half_the_split_weights(tp_llm, tiny_checkpoint):
 
 
 # ------------------------------------------------------ data + expert parallel (server)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def dp_server(tiny_checkpoint, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("dp") / "server.log"
-    env = {**os.environ, **TWO_WORKERS, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        tiny_checkpoint,
-        "--served-model-name",
-        "tiny",
-        "--data-parallel-size",
-        "2",
-        "--enable-expert-parallel",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--seed",
-        "0",
-        "--port",
-        str(port),
+    args = [
+        "--served-model-name", "tiny", "--data-parallel-size", "2", "--enable-expert-parallel",
+        "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
     ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(log_path.read_text()[-4000:])
-            time.sleep(2)
+    with openai_server(tiny_checkpoint, args, log_path, env=TWO_WORKERS) as url:
         yield url, log_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _complete(url: str, prompt: list[int]) -> dict:

@@ -77,3 +77,18 @@ def test_data_parallel_with_dspark_is_refused_for_now(tiny_checkpoint):
             data_parallel_size=2,
             enable_expert_parallel=True,
         )
+
+
+def test_nextn_env_sets_k_where_vllm_filled_in_the_block_size(tiny_checkpoint, monkeypatch):
+    """With the draft ``model`` named and no k, vLLM fills in dspark_block_size (3 for tiny)."""
+    spec = {"method": "dspark", "model": tiny_checkpoint}
+    assert dspark_settings(_config(tiny_checkpoint, dict(spec))).num_speculative_tokens == 3
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
+    cfg = _config(tiny_checkpoint, dict(spec))
+    assert dspark_settings(cfg).num_speculative_tokens == 2
+    assert cfg.speculative_config.num_speculative_tokens == 2
+    # An explicit k other than the block size is the user's.
+    assert dspark_settings(_config(tiny_checkpoint, {**spec, "num_speculative_tokens": 1})).num_speculative_tokens == 1
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE=0"):
+        _config(tiny_checkpoint, dict(spec))
