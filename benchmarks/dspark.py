@@ -21,6 +21,7 @@ continuation length (what the draft was fitted on). Logs go to stderr, the table
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -40,6 +41,7 @@ SETTINGS = {
 
 
 def _run_setting(model_dir: str, dtype: str, spec, prompt_sets: dict, decode_tokens: int, repeats: int, queue) -> None:
+    os.dup2(2, 1)  # vLLM logs to stdout; the table owns the parent's stdout
     try:
         from vllm import LLM, SamplingParams
 
@@ -76,6 +78,8 @@ def _run_setting(model_dir: str, dtype: str, spec, prompt_sets: dict, decode_tok
                 "runs_batch8": b8,
                 "tokens": tokens,
             }
+        del llm
+        gc.collect()
         queue.put(("ok", result))
     except Exception as exc:  # reported by the parent
         import traceback
@@ -116,7 +120,10 @@ def main() -> int:
         )
         proc.start()
         status, payload = queue.get()
-        proc.join()
+        proc.join(120)
+        if proc.is_alive():  # engine teardown hung after the result was sent
+            proc.terminate()
+            proc.join(10)
         if status != "ok":
             print(f"{name}: {payload}", file=sys.stderr)
             return 1

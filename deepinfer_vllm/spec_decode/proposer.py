@@ -119,7 +119,7 @@ class DSparkProposer:
             bonus.append(int(toks[-1]))
             anchor.append(p)
         drafts: list[list[int]] = [[] for _ in req_ids]
-        if not rows:
+        if not rows or not step_metadata:
             return drafts, None
         R = len(rows)
         t0 = time.perf_counter()

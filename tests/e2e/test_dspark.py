@@ -105,3 +105,14 @@ def test_many_requests_preempt_and_stay_exact(engine, acceptance_prompts, refere
     outs = llm.generate([_ids(p) for p in prompts], GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == reference_greedy * 3
     assert _metric(llm, "vllm:num_preemptions") > before, "the KV budget did not force a preemption"
+
+
+def test_image_request_gets_the_text_only_error_with_dspark_on(engine, acceptance_prompts, reference_greedy):
+    from PIL import Image
+
+    _, llm = engine
+    image_prompt = {"prompt": "<｜deepseek_image｜>", "multi_modal_data": {"image": Image.new("RGB", (84, 84))}}
+    with pytest.raises(ValueError, match="text-only"):
+        llm.generate([image_prompt], GREEDY)
+    out = llm.generate([_ids(acceptance_prompts[0])], GREEDY)[0]
+    assert list(out.outputs[0].token_ids) == reference_greedy[0]

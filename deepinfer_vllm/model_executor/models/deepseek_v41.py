@@ -12,6 +12,11 @@ experts as packed E2M1, Engram rows as E4M3. Tensor, data and expert
 parallelism come from vLLM's flags and groups (``layers.parallel``). The
 checkpoint stream vLLM hands over is validated tensor by tensor against the
 format (``checkpoint``), and every problem is reported at once.
+
+With DSpark speculative decoding on, the draft stages ``mtp.*`` are built and
+held too (``spec_decode.draft_model``): every forward writes their context keys
+from the target layers' entry streams, and ``draft_block`` runs the parallel
+draft forward for DeepInfer's proposer.
 """
 
 from __future__ import annotations
