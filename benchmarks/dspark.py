@@ -40,6 +40,10 @@ SETTINGS = {
 }
 
 
+def _metric(llm, name: str) -> float:
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
 def _run_setting(model_dir: str, dtype: str, spec, prompt_sets: dict, decode_tokens: int, repeats: int, queue) -> None:
     os.dup2(2, 1)  # vLLM logs to stdout; the table owns the parent's stdout
     try:
@@ -52,13 +56,10 @@ def _run_setting(model_dir: str, dtype: str, spec, prompt_sets: dict, decode_tok
         )
         params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
 
-        def metric(name):
-            return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
-
         llm.generate([{"prompt_token_ids": prompt_sets["trained"][0]}], params)  # warm-up
         result = {}
         for set_name, prompts in prompt_sets.items():
-            drafts0, acc0 = metric("vllm:spec_decode_num_drafts"), metric("vllm:spec_decode_num_accepted_tokens")
+            drafts0, acc0 = _metric(llm, "vllm:spec_decode_num_drafts"), _metric(llm, "vllm:spec_decode_num_accepted_tokens")
             b1, b8, tokens = [], [], None
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -68,8 +69,8 @@ def _run_setting(model_dir: str, dtype: str, spec, prompt_sets: dict, decode_tok
                 outs8 = llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)
                 b8.append(len(outs8) * decode_tokens / (time.perf_counter() - t0) / len(outs8))
                 tokens = [list(o.outputs[0].token_ids) for o in outs8]
-            drafts = metric("vllm:spec_decode_num_drafts") - drafts0
-            accepted = metric("vllm:spec_decode_num_accepted_tokens") - acc0
+            drafts = _metric(llm, "vllm:spec_decode_num_drafts") - drafts0
+            accepted = _metric(llm, "vllm:spec_decode_num_accepted_tokens") - acc0
             result[set_name] = {
                 "accepted_length": (1 + accepted / drafts) if drafts else None,
                 "tok_s_batch1": statistics.median(b1),
@@ -138,7 +139,7 @@ def main() -> int:
             acc = "-" if r["accepted_length"] is None else f"{r['accepted_length']:.2f}"
             print(
                 f"{set_name:9} {name:13} {acc:>11} {r['tok_s_batch1']:9.1f} {r['tok_s_batch1'] / o['tok_s_batch1']:6.2f} "
-                f"{r['tok_s_batch8']:9.1f} {r['tok_s_batch8'] / o['tok_s_batch8']:6.2f} {str(r['tokens'] == o['tokens']):>11}"
+                f"{r['tok_s_batch8']:9.1f} {r['tok_s_batch8'] / o['tok_s_batch8']:6.2f} {r['tokens'] == o['tokens']!s:>11}"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

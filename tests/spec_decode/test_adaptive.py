@@ -18,7 +18,7 @@ def _rate(surv, counts, verify_cost, draft_cost):
 
 def test_budget_is_the_best_prefix_allocation_by_brute_force():
     g = torch.Generator().manual_seed(0)
-    verify = lambda n: 1.0 + 0.3 * n  # noqa: E731 - fixed overhead plus a per-token slope
+    verify = lambda n: 1.0 + 0.3 * n
     for _ in range(20):
         conf = torch.rand(3, 4, generator=g)
         surv = survivals(conf)
@@ -33,7 +33,7 @@ def test_budget_is_the_best_prefix_allocation_by_brute_force():
 def test_chosen_slots_are_a_prefix_of_each_request_and_ties_go_to_lower_rows():
     surv = survivals(torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.9, 0.9]]))
     # A cost that makes exactly three extra tokens worth it.
-    verify = lambda n: 1.0 if n <= 5 else 100.0  # noqa: E731
+    verify = lambda n: 1.0 if n <= 5 else 100.0
     counts, budget = choose_draft_counts(surv, verify, draft_cost=0.0)
     assert budget == 3
     assert counts == [2, 1]  # equal survivals: row 0 first, then row 1
