@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
 from deepinfer_vllm.attention_backends.cache_layout import dspark_prefix

@@ -9,6 +9,7 @@ trained draft), so the reference greedy continuations apply unchanged.
 from __future__ import annotations
 
 import pytest
+
 from vllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from vllm import LLM, SamplingParams
 
 VOCAB = 512

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from vllm.engine.arg_utils import EngineArgs
 
 from deepinfer_vllm.spec_decode.config import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, dspark_settings
