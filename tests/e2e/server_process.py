@@ -21,11 +21,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def openai_server(model: str, args: list[str], log_path: Path, env: dict | None = None) -> Iterator[str]:
-    """``python -m vllm.entrypoints.openai.api_server --model MODEL ARGS``; yields its URL once
-    ``/health`` answers (the log goes to ``log_path``), terminates it afterwards."""
+def openai_server(
+    model: str, args: list[str], log_path: Path, env: dict | None = None, cli: bool = False
+) -> Iterator[str]:
+    """``python -m vllm.entrypoints.openai.api_server --model MODEL ARGS`` (``cli``: the
+    ``vllm serve MODEL ARGS`` command of this environment); yields its URL once ``/health``
+    answers (the log goes to ``log_path``), terminates it afterwards."""
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *args, "--port", str(port)]
+    if cli:
+        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model, *args, "--port", str(port)]
+    else:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *args]
+        cmd += ["--port", str(port)]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
