@@ -42,6 +42,8 @@ def is_v41(model_config) -> bool:
 class DeepInferCpuPlatform(CpuPlatform):
     """``CpuPlatform`` that knows how to run DeepInfer's V4.1."""
 
+    _explained = False  # the note on vLLM's stock CPU log lines, once per process
+
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         if getattr(attn_selector_config, "use_sparse", False):
@@ -76,6 +78,7 @@ class DeepInferCpuPlatform(CpuPlatform):
         prefix = cache_config.enable_prefix_caching
         max_batched = scheduler_config.max_num_batched_tokens
         _check_parallel(model_config, parallel_config)
+        checkpoint_names = _validate_checkpoint(model_config)
         super().check_and_update_config(vllm_config)
         block_size = user_block_size or V41_DEFAULT_BLOCK_SIZE
         if block_size % 2:
@@ -88,7 +91,7 @@ class DeepInferCpuPlatform(CpuPlatform):
         scheduler_config.max_num_batched_tokens = max_batched
         dspark = None
         if vllm_config.speculative_config is not None:
-            dspark = _configure_dspark(vllm_config)
+            dspark = _configure_dspark(vllm_config, checkpoint_names)
         logger.info(
             "DeepInfer V4.1 on CPU: block_size=%d, chunked_prefill=%s, prefix_caching=%s, "
             "tensor_parallel=%d, data_parallel=%d, expert_parallel=%s, dspark=%s",
@@ -100,6 +103,14 @@ class DeepInferCpuPlatform(CpuPlatform):
             parallel_config.enable_expert_parallel,
             "off" if dspark is None else f"k={dspark.num_speculative_tokens} adaptive={dspark.adaptive}",
         )
+        if (not cls._explained) and (chunked or prefix):
+            cls._explained = True
+            logger.info(
+                "DeepInfer V4.1 on CPU: vLLM's CPU platform logs that it forces chunked prefill and "
+                "prefix caching off for MLA models; DeepInfer's V4.1 backend pages its own caches and "
+                "supports both, so they are restored as listed above. Lines about DeepGEMM/UE8M0, "
+                "Triton and CUDA graphs do not apply: this path runs PyTorch on the CPU."
+            )
 
 
 def expand_batch_values(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
@@ -121,15 +132,28 @@ def _check_parallel(model_config, parallel_config) -> None:
     check_vllm_parallel(V41Arch.from_config(model_config.hf_config), parallel_config)
 
 
-def _configure_dspark(vllm_config):
-    """Validate DSpark for V4.1 and hand vLLM's V1 runner DeepInfer's proposer (``spec_decode.config``)."""
+def _validate_checkpoint(model_config) -> set[str] | None:
+    """Check a local checkpoint's safetensors headers against the V4.1 format here, in the
+    user's process, so a bad tensor is named before any engine process starts (the loader
+    checks again in the worker, and is the only check for hub ids). Returns the tensor names
+    (None when the model is not a local folder of safetensors)."""
     from pathlib import Path
 
     from deepinfer_vllm.configs import V41Arch
-    from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index
+    from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index, validate_checkpoint_index
+
+    model_dir = Path(model_config.model)
+    if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
+        return None
+    found = read_safetensors_index(model_dir)
+    validate_checkpoint_index(V41Arch.from_config(model_config.hf_config), found)
+    return set(found)
+
+
+def _configure_dspark(vllm_config, checkpoint_names: set[str] | None):
+    """Validate DSpark for V4.1 and hand vLLM's V1 runner DeepInfer's proposer (``spec_decode.config``)."""
+    from deepinfer_vllm.configs import V41Arch
     from deepinfer_vllm.spec_decode.config import configure_dspark
 
-    model_dir = Path(vllm_config.model_config.model)
-    names = set(read_safetensors_index(model_dir)) if model_dir.is_dir() else None
     arch = V41Arch.from_config(vllm_config.model_config.hf_config)
-    return configure_dspark(vllm_config, arch, names)
+    return configure_dspark(vllm_config, arch, checkpoint_names)

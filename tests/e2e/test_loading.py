@@ -89,3 +89,25 @@ def test_weight_bytes_cli_reports_each_worker(tiny_checkpoint):
     }
     assert rows["experts"][0] == rows["experts"][1]  # resident == checkpoint bytes
     assert float(rows["total"][2]) <= 1.05
+
+
+def test_a_bad_tensor_is_named_in_the_users_process_before_any_engine_starts(tiny_checkpoint, tmp_path):
+    """A mis-shaped and a missing tensor: ``vllm.LLM`` raises at config time with both names,
+    not vLLM's generic "Engine core initialization failed" from a child process."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from vllm import LLM
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["layers.2.attn.kv_norm.weight"] = torch.ones(7, dtype=torch.bfloat16)
+    del tensors["layers.0.ffn.gate.bias"]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        LLM(model=str(bad), dtype="float32", max_model_len=256)
+    text = str(err.value)
+    assert "layers.2.attn.kv_norm.weight" in text and "layers.0.ffn.gate.bias" in text, text
+    assert "Engine core initialization failed" not in text

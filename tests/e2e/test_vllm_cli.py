@@ -39,4 +39,7 @@ def test_vllm_serve_answers_with_the_reference_tokens(tiny_checkpoint, tiny_refe
         r.raise_for_status()
         assert r.json()["choices"][0]["token_ids"] == tiny_reference.greedy_generate(prompt, 8)
     log = (tmp_path / "serve.log").read_text()
-    assert "DeepInfer V4.1 on CPU" in log  # our platform's settings line, in vLLM's log
+    # Our platform's settings line, and the note on vLLM's stock MLA line it overrides, in vLLM's log.
+    assert "DeepInfer V4.1 on CPU: block_size=64, chunked_prefill=True, prefix_caching=True" in log
+    assert "forcing chunked prefill and prefix caching to be disabled" in log  # vLLM's stock line...
+    assert "supports both, so they are restored as listed above" in log  # ...explained
