@@ -141,7 +141,8 @@ class DSparkProposer:
             for j, sp in enumerate(params)
         ]
         last = self.model.mtp[-1]
-        embed, head = last.markov_head.embed.weight, last.markov_head.head.weight
+        # markov_logits works in fp32; widen the [V, rank] head once per step, not once per slot.
+        embed, head = last.markov_head.embed.weight, last.markov_head.head.weight.float()
         proj = None if last.confidence_head is None else last.confidence_head.proj.weight
         tokens = torch.empty(R, k, dtype=torch.int64)
         conf = torch.empty(R, k, dtype=torch.float64)
