@@ -40,16 +40,20 @@ def serving_class() -> str:
 
 
 def register() -> None:
-    """Register the V4.1 model class, its config class and attention backend
-    (or, where vLLM's in-tree class serves V4.1, nothing)."""
+    """Register the V4.1 model class, its config class and attention backend (where
+    vLLM's in-tree class serves V4.1, none of them), and the serving fixes
+    (``entrypoints``: tool-call parser, bounded JSON grammars) for either class."""
     global _registered
     if _registered:
         return
     _configure_logging()
+    from deepinfer_vllm import entrypoints
+
+    entrypoints.install()
     if serving_class() == "vllm":
         logger.info(
-            "DeepSeek-V4.1 is served by vLLM's in-tree class; deepinfer-vllm registers nothing "
-            "(DEEPINFER_MODEL=deepinfer selects the plugin's class)"
+            "DeepSeek-V4.1 is served by vLLM's in-tree class; deepinfer-vllm registers no model "
+            "(DEEPINFER_MODEL=deepinfer selects the plugin's class), only its serving fixes"
         )
         _registered = True
         return

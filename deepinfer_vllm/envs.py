@@ -8,9 +8,10 @@ the plugin stays cheap to import in every vLLM process.
 | ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` | ``off`` | ``off``: every layer runs every prompt row. ``mask``: decoder layers (the causal decoder half, from the first ratio-1 layer) keep window KV only for the last ``KEEP`` prompt positions and clip their window there (DeepInfer's bounded replay semantics). ``compact``: the same numerics, computing decoder layers only on the kept rows. |
 | ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` | ``0`` (= ``sliding_window + 12`` when truncating) | retained suffix ``KEEP``; must be at least ``sliding_window``. |
 | ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). |
-| ``DEEPINFER_MODEL`` | ``auto`` | which class serves ``DeepseekV41ForCausalLM``. ``deepinfer``: this plugin's (released formats held as released, TP/DP/EP through vLLM's groups). ``vllm``: vLLM's in-tree class (the plugin registers nothing). ``auto``: vLLM's on CUDA and ROCm, where the in-tree class runs the release on the GPU; the plugin's everywhere else (vLLM's is GPU-only). The choice is logged. |
+| ``DEEPINFER_MODEL`` | ``auto`` | which class serves ``DeepseekV41ForCausalLM``. ``deepinfer``: this plugin's (released formats held as released, TP/DP/EP through vLLM's groups). ``vllm``: vLLM's in-tree class (the plugin registers no model; its serving fixes in ``entrypoints/`` still apply). ``auto``: vLLM's on CUDA and ROCm, where the in-tree class runs the release on the GPU; the plugin's everywhere else (vLLM's is GPU-only). The choice is logged. |
 | ``DEEPINFER_USE_NEXTN_DECODE`` | unset | DeepInfer's DSpark draft width ``k``: used where vLLM's ``speculative_config`` leaves ``num_speculative_tokens`` to its default. vLLM 0.32 accepts that only when the config names the draft ``model`` (for DSpark, the checkpoint itself) and then fills in ``dspark_block_size``; with this variable set, the platform uses its value instead (an explicit ``num_speculative_tokens`` equal to ``dspark_block_size`` cannot be told apart and yields too). ``0`` refuses DSpark. |
 | ``DEEPINFER_ATTENTION_KERNELS`` | ``auto`` | kernels of the attention hot path (cache writes, indexer + top-k, sparse attention). ``auto``: our Triton kernels on CUDA devices, the PyTorch reference elsewhere. ``torch``: always the reference. ``triton``: always Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). The choice is logged once. |
+| ``DEEPINFER_GRAMMAR_MAX_WHITESPACE`` | ``16`` | longest whitespace run a V4.1 JSON or tool-call grammar allows (xgrammar's ``max_whitespace_cnt``) where vLLM allows whitespace at all (its ``disable_any_whitespace`` off); without a cap a model can fill ``max_tokens`` with blanks. See ``entrypoints/structured_outputs.py``. |
 """
 
 from __future__ import annotations
@@ -36,15 +37,19 @@ def yoco_mode() -> str:
     return _choice("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", YOCO_MODES)
 
 
-def yoco_keep_tokens() -> int:
-    raw = _get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "0")
+def _int(name: str, default: int, minimum: int) -> int:
+    raw = _get(name, str(default))
     try:
-        keep = int(raw)
-    except ValueError as e:
-        raise ValueError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={raw!r} is not an integer") from e
-    if keep < 0:
-        raise ValueError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={keep} must be >= 0")
-    return keep
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def yoco_keep_tokens() -> int:
+    return _int("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 0, minimum=0)
 
 
 def yoco_settings(sliding_window: int) -> tuple[str, int]:
@@ -94,3 +99,7 @@ MODEL_CHOICES = ("auto", "deepinfer", "vllm")
 
 def model_choice() -> str:
     return _choice("DEEPINFER_MODEL", MODEL_CHOICES)
+
+
+def grammar_max_whitespace() -> int:
+    return _int("DEEPINFER_GRAMMAR_MAX_WHITESPACE", 16, minimum=1)

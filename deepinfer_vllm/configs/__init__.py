@@ -12,6 +12,7 @@ from deepinfer_vllm.configs.hf_config import (
     MODEL_TYPE,
     ConfigError,
     DeepseekV41Config,
+    is_v41_config,
     register_with_transformers,
 )
 from deepinfer_vllm.configs.roles import LayerRole
@@ -23,5 +24,6 @@ __all__ = [
     "DeepseekV41Config",
     "LayerRole",
     "V41Arch",
+    "is_v41_config",
     "register_with_transformers",
 ]

@@ -21,12 +21,21 @@ __all__ = [
     "TEXT_MODEL_TYPE",
     "ConfigError",
     "DeepseekV41Config",
+    "is_v41_config",
     "register_with_transformers",
 ]
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 TEXT_MODEL_TYPE = "deepseek_v41_text"
+
+
+def is_v41_config(hf_config: Any) -> bool:
+    """A V4.1 checkpoint's config (by ``model_type``, or by architecture when a
+    loader rewrote the type), whichever class serves it."""
+    if getattr(hf_config, "model_type", None) == MODEL_TYPE:
+        return True
+    return ARCHITECTURE in (getattr(hf_config, "architectures", None) or [])
 
 # Keys of ``text_config`` (spec §2.2 plus the optional keys vLLM reads). Only
 # used to recognise an already-flat dict; nested input keeps whatever it has.

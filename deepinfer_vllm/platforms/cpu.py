@@ -20,7 +20,6 @@ from vllm.platforms.cpu import CpuPlatform
 
 logger = logging.getLogger(__name__)
 
-V41_ARCHITECTURES = ("DeepseekV41ForCausalLM",)
 V41_DEFAULT_BLOCK_SIZE = 64
 V41_BACKEND = "deepinfer_vllm.attention_backends.mla_swa.DeepInferV41Backend"
 V41_WORKER = "deepinfer_vllm.platforms.cpu_worker.DeepInferCPUWorker"
@@ -30,13 +29,11 @@ STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker")
 def is_v41(model_config) -> bool:
     """A V4.1 checkpoint that this plugin's class serves (``DEEPINFER_MODEL``)."""
     from deepinfer_vllm import serving_class
+    from deepinfer_vllm.configs import is_v41_config
 
     if model_config is None or serving_class() != "deepinfer":
         return False
-    hf_config = model_config.hf_config
-    if getattr(hf_config, "model_type", None) == "deepseek_v41":
-        return True
-    return any(a in V41_ARCHITECTURES for a in (getattr(hf_config, "architectures", None) or []))
+    return is_v41_config(model_config.hf_config)
 
 
 class DeepInferCpuPlatform(CpuPlatform):

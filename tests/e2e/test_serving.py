@@ -1,0 +1,214 @@
+"""V4.1 through vLLM's OpenAI server as a user runs it (README "Serving"): the ``openai``
+example, forced tool calls and JSON answers that always validate, on random weights.
+
+One server on ``tiny`` with ``--reasoning-parser deepseek_v41 --tool-call-parser
+deepseek_v41 --enable-auto-tool-choice``. Random weights write strings forever, so the
+schemas bound strings (``maxLength``) and numbers (``minimum``/``maximum``); requests
+get ``max_tokens`` room to finish, and every response is checked: it finishes
+(``finish_reason``), parses with a strict ``json.loads`` and passes ``jsonschema``.
+With thinking on (V4.1's chat default), ``thinking_token_budget`` ends the thinking.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jsonschema
+import pytest
+from server_process import openai_server
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_client.py"
+SERVER_ARGS = [
+    "--served-model-name", "tiny", "--max-model-len", "2048", "--seed", "0",
+    "--reasoning-parser", "deepseek_v41", "--tool-call-parser", "deepseek_v41", "--enable-auto-tool-choice",
+]
+ROOM = 512  # max_tokens: a constrained answer of these schemas is far shorter
+THINK_BUDGET = 12
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city for the next days",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "days"]}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two numbers",
+        "parameters": {"type": "object", "properties": {
+            "a": {"type": "number", "minimum": -100, "maximum": 100},
+            "b": {"type": "number", "minimum": -100, "maximum": 100}},
+            "required": ["a", "b"]}}},
+    {"type": "function", "function": {
+        "name": "search", "description": "Search the web",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "maxLength": 20},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 10},
+            "safe": {"type": "boolean"}},
+            "required": ["query", "safe"]}}},
+]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+JSON_SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "ok": {"type": "boolean"}},
+     "required": ["name", "age", "tags", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "city": {"type": "string", "minLength": 2, "maxLength": 12},
+        "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+        "kind": {"type": "string", "enum": ["sunny", "rain", "snow"]},
+        "hourly": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "minItems": 1, "maxItems": 4}},
+     "required": ["city", "temperature", "kind", "hourly"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 10},
+        "author": {"type": "object", "properties": {
+            "first": {"type": "string", "maxLength": 6}, "born": {"type": "integer", "minimum": 1900, "maximum": 2026}},
+            "required": ["first", "born"], "additionalProperties": False},
+        "pages": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 999}, {"type": "null"}]}},
+     "required": ["title", "author", "pages"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("serving") / "server.log"
+    with openai_server(tiny_checkpoint, SERVER_ARGS, log_path) as url:
+        yield url, log_path
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server[0]}/v1", api_key="EMPTY", timeout=600)
+
+
+def _thinking(on: bool) -> dict:
+    return {"thinking_token_budget": THINK_BUDGET} if on else {"chat_template_kwargs": {"thinking": False}}
+
+
+def _collect_stream(stream) -> tuple[str | None, str, str, list[tuple[str, str]]]:
+    """(finish_reason, reasoning, content, [(name, arguments)]) of a streamed chat."""
+    finish, reasoning, content, calls = None, "", "", {}
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        reasoning += getattr(delta, "reasoning", None) or ""
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            name, args = calls.get(call.index, ("", ""))
+            if call.function is not None:
+                name += call.function.name or ""
+                args += call.function.arguments or ""
+            calls[call.index] = (name, args)
+        finish = choice.finish_reason or finish
+    return finish, reasoning, content, [calls[i] for i in sorted(calls)]
+
+
+def _tool_request(client, choice, thinking: bool, stream: bool, seed: int):
+    named = isinstance(choice, str) and choice != "required"
+    tool_choice = {"type": "function", "function": {"name": choice}} if named else choice
+    kwargs = dict(
+        model="tiny", messages=[{"role": "user", "content": "Plan a trip: weather, sums and a search."}],
+        tools=TOOLS, tool_choice=tool_choice, max_tokens=ROOM, temperature=1.0, seed=seed,
+        extra_body=_thinking(thinking),
+    )
+    if seed % 2:
+        kwargs["parallel_tool_calls"] = False
+    if stream:
+        return _collect_stream(client.chat.completions.create(stream=True, **kwargs))
+    response = client.chat.completions.create(**kwargs)
+    message = response.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    return response.choices[0].finish_reason, getattr(message, "reasoning", None) or "", message.content or "", calls
+
+
+def test_openai_client_example_runs_against_the_server(server):
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--base-url", f"{server[0]}/v1", "--model", "tiny", "--max-tokens", "16"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = run.stdout
+    assert re.search(r"^chat: '.+'$", out, flags=re.M), out
+    assert re.search(r"^reasoning: '.+'$", out, flags=re.M), out  # thinking answer: reasoning apart
+    call = re.search(r"^tool call \(tool_calls\): get_weather (\{.*\})$", out, flags=re.M)
+    assert call, out
+    jsonschema.validate(json.loads(call[1]), SCHEMAS["get_weather"] | {"properties": {
+        "city": {"type": "string", "maxLength": 32}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]})
+    person = re.search(r"^json \(stop\): (\{.*\})$", out, flags=re.M)
+    assert person, out
+    assert set(json.loads(person[1])) == {"name", "age"}
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["no_thinking", "thinking"])
+def test_forced_tool_calls_follow_the_tool_schemas(client, thinking):
+    cases = [(choice, stream, seed) for choice in ("required", "add", "search")
+             for stream in (False, True) for seed in range(4 if choice == "required" else 2)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda c: _tool_request(client, c[0], thinking, c[1], c[2]), cases))
+    for (choice, stream, seed), (finish, reasoning, content, calls) in zip(cases, results):
+        where = f"choice={choice} stream={stream} seed={seed}: {finish} {calls} {content!r}"
+        # OpenAI's convention, which vLLM follows: "tool_calls" for required, "stop" for a named tool.
+        assert finish == ("tool_calls" if choice == "required" else "stop"), where
+        assert calls and not content.strip(), where
+        if seed % 2:
+            assert len(calls) == 1, where  # parallel_tool_calls=False
+        for name, arguments in calls:
+            assert name in SCHEMAS and (choice == "required" or name == choice), where
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])  # every required parameter, in bounds
+        assert bool(reasoning) == thinking, where
+
+
+def _json_request(client, schema, thinking: bool, stream: bool, seed: int):
+    response_format = (
+        {"type": "json_object"} if schema is None
+        else {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    )
+    kwargs = dict(
+        model="tiny", messages=[{"role": "user", "content": "Answer in JSON."}], response_format=response_format,
+        max_tokens=ROOM, temperature=1.0, seed=seed, extra_body=_thinking(thinking),
+    )
+    if stream:
+        finish, reasoning, content, _ = _collect_stream(client.chat.completions.create(stream=True, **kwargs))
+        return finish, reasoning, content
+    response = client.chat.completions.create(**kwargs)
+    message = response.choices[0].message
+    return response.choices[0].finish_reason, getattr(message, "reasoning", None) or "", message.content or ""
+
+
+def test_json_schema_answers_validate_with_the_default_backend(client):
+    """56 requests (xgrammar, vLLM's default backend): every answer finishes and validates."""
+    cases = [(i % len(JSON_SCHEMAS), i % 4 == 3, i % 3 == 2, i) for i in range(56)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda c: _json_request(client, JSON_SCHEMAS[c[0]], c[1], c[2], c[3]), cases))
+    for (schema_index, thinking, stream, seed), (finish, reasoning, content) in zip(cases, results):
+        where = f"schema={schema_index} thinking={thinking} stream={stream} seed={seed}: {finish} {content!r}"
+        assert finish == "stop", where
+        value = json.loads(content)  # strict: raw control characters in strings are refused
+        jsonschema.validate(value, JSON_SCHEMAS[schema_index])
+        assert re.search(r"\s{17}", content) is None, where  # DEEPINFER_GRAMMAR_MAX_WHITESPACE=16
+        assert bool(reasoning) == thinking, where  # with thinking on, JSON comes after the reasoning
+
+
+def test_json_object_answers_that_finish_are_json_objects(client):
+    """``json_object`` has no bounds for random weights to stop at (a key can run past any
+    ``max_tokens``); a cut answer says ``length``, and every finished one is an object."""
+    results = [_json_request(client, None, False, False, seed) for seed in range(8)]
+    finished = [content for finish, _, content in results if finish == "stop"]
+    assert all(finish in ("stop", "length") for finish, _, _ in results), results
+    assert finished, results
+    for content in finished:
+        assert isinstance(json.loads(content), dict), content
