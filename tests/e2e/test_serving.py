@@ -212,3 +212,65 @@ def test_json_object_answers_that_finish_are_json_objects(client):
     assert finished, results
     for content in finished:
         assert isinstance(json.loads(content), dict), content
+
+
+def test_responses_api_with_the_openai_client(client):
+    """``/v1/responses``: reasoning comes back as a reasoning item; forced calls (thinking
+    off through ``reasoning.effort: none``) follow the tool schema; with thinking on, vLLM
+    0.32's Responses API has no thinking budget, so random weights think until
+    ``max_output_tokens`` and the response says ``incomplete`` (README)."""
+    reasoning = client.responses.create(model="tiny", input="Hello", max_output_tokens=24, reasoning={"effort": "low"})
+    item = reasoning.output[0]
+    assert item.type == "reasoning" and item.content[0].text.strip()
+    assert reasoning.status == "incomplete" and reasoning.incomplete_details.reason == "max_output_tokens"
+
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"], "strict": None} for t in TOOLS]
+    for tool_choice in ("required", {"type": "function", "name": "search"}):
+        response = client.responses.create(model="tiny", input="Plan a trip.", tools=tools, tool_choice=tool_choice,
+                                           max_output_tokens=ROOM, reasoning={"effort": "none"}, temperature=1.0)
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert response.status == "completed" and calls, response.output
+        for call in calls:
+            assert tool_choice == "required" or call.name == "search"
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+    text = client.responses.create(model="tiny", input="Hello", max_output_tokens=12, reasoning={"effort": "none"})
+    assert [item.type for item in text.output] == ["message"] and text.output_text.strip()
+
+
+def test_messages_api_with_the_anthropic_client(server):
+    """``/v1/messages``: ``thinking`` enabled returns a thinking block bounded by its
+    ``budget_tokens`` (Anthropic's minimum, 1024) and then the forced call; disabled
+    returns text or calls directly; streaming gives the same kind of message."""
+    import anthropic
+
+    messages = anthropic.Anthropic(base_url=server[0], api_key="EMPTY", timeout=900).messages
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    ask = [{"role": "user", "content": "Plan a trip."}]
+
+    thought = messages.create(model="tiny", max_tokens=1400, messages=ask, tools=tools,
+                              tool_choice={"type": "tool", "name": "add"},
+                              thinking={"type": "enabled", "budget_tokens": 1024})
+    kinds = [block.type for block in thought.content]
+    assert kinds[0] == "thinking" and thought.content[0].thinking.strip(), kinds
+    uses = [block for block in thought.content if block.type == "tool_use"]
+    assert thought.stop_reason == "tool_use" and uses and all(u.name == "add" for u in uses), thought
+    for use in uses:
+        jsonschema.validate(use.input, SCHEMAS["add"])
+
+    with messages.stream(model="tiny", max_tokens=ROOM, messages=ask, tools=tools, tool_choice={"type": "any"},
+                         thinking={"type": "disabled"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content, final
+    for block in final.content:
+        assert block.type == "tool_use", final
+        jsonschema.validate(block.input, SCHEMAS[block.name])
+
+    plain = messages.create(model="tiny", max_tokens=12, messages=ask, thinking={"type": "disabled"})
+    assert [block.type for block in plain.content] == ["text"] and plain.stop_reason == "max_tokens"
+    bad = pytest.raises(anthropic.BadRequestError)
+    with bad:  # Anthropic's own rule, enforced by vLLM: a budget below 1024 is a 400
+        messages.create(model="tiny", max_tokens=64, messages=ask, thinking={"type": "enabled", "budget_tokens": 12})
+    assert messages.create(model="tiny", max_tokens=4, messages=ask, thinking={"type": "disabled"}).content
