@@ -106,7 +106,9 @@ class DeepInferCpuPlatform(CpuPlatform):
                 "DeepInfer V4.1 on CPU: vLLM's CPU platform logs that it forces chunked prefill and "
                 "prefix caching off for MLA models; DeepInfer's V4.1 backend pages its own caches and "
                 "supports both, so they are restored as listed above. Lines about DeepGEMM/UE8M0, "
-                "Triton and CUDA graphs do not apply: this path runs PyTorch on the CPU."
+                "Triton and CUDA graphs do not apply: this path runs PyTorch on the CPU. The "
+                "workers' 'expand_kernel is already registered. Overwriting.' is this platform's "
+                "fix of vLLM's rejection-sampler fallback (see deepinfer_vllm/platforms/cpu.py)."
             )
 
 
