@@ -53,9 +53,48 @@ class DeepSeekV41ToolParser(DeepSeekV41EngineToolParser):
     docstring)."""
 
     def get_structural_tag(self, request, *, reasoning: bool = False, strict_level=ToolStrictLevel.AUTO):
-        if request.tools and forces_call(request.tool_choice) and strict_level < ToolStrictLevel.PARAMETER:
+        pinned = request.tools and forces_call(request.tool_choice) and strict_level < ToolStrictLevel.PARAMETER
+        if pinned:
             request = request.model_copy(update={"tools": [_strict_by_default(t) for t in request.tools]})
-        return super().get_structural_tag(request, reasoning=reasoning, strict_level=strict_level)
+        tag = super().get_structural_tag(request, reasoning=reasoning, strict_level=strict_level)
+        if pinned and tag is not None:
+            _check_compiles(tag, request.tools)
+        return tag
+
+
+def _parameters(tool: Any) -> tuple[str, Any]:
+    function = getattr(tool, "function", None) or tool
+    return function.name, function.parameters
+
+
+def _check_compiles(tag: Any, tools: list) -> None:
+    """A grammar xgrammar cannot build becomes a 400 naming the tools whose parameter
+    schemas it refuses (otherwise vLLM's fallback answers "Invalid grammar
+    specification: 'triggers'")."""
+    import json
+
+    import xgrammar as xgr
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        xgr.Grammar.from_structural_tag(tag)
+        return
+    except Exception as tag_error:  # noqa: BLE001 (xgrammar raises RuntimeError and others)
+        refused = []
+        for tool in tools:
+            name, parameters = _parameters(tool)
+            if not isinstance(parameters, dict):
+                continue
+            try:
+                xgr.Grammar.from_json_schema(json.dumps(parameters))
+            except Exception as e:  # noqa: BLE001
+                refused.append(f"{name!r} ({str(e).splitlines()[0][:200]})")
+        detail = "; ".join(refused) if refused else str(tag_error).splitlines()[0][:200]
+        raise VLLMValidationError(
+            "tool_choice forces a call, so the tool's parameters schema is enforced, and xgrammar "
+            f"cannot compile it: {detail}. Fix the schema, or mark the tool \"strict\": false "
+            "to leave its arguments unconstrained."
+        ) from tag_error
 
 
 def install() -> None:

@@ -274,3 +274,21 @@ def test_messages_api_with_the_anthropic_client(server):
     with bad:  # Anthropic's own rule, enforced by vLLM: a budget below 1024 is a 400
         messages.create(model="tiny", max_tokens=64, messages=ask, thinking={"type": "enabled", "budget_tokens": 12})
     assert messages.create(model="tiny", max_tokens=4, messages=ask, thinking={"type": "disabled"}).content
+
+
+def test_bad_schemas_are_400s_and_the_server_keeps_serving(server):
+    import requests
+
+    url = f"{server[0]}/v1/chat/completions"
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+           "chat_template_kwargs": {"thinking": False}}
+    lookbehind = {"type": "function", "function": {"name": "find", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["x"]}}}
+    r = requests.post(url, json=ask | {"tools": [lookbehind], "tool_choice": "required"}, timeout=300)
+    assert r.status_code == 400 and "'find'" in r.json()["error"]["message"], r.text
+    bad_json = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"x": {"type": "string", "maxLength": "abc"}}}}}
+    r = requests.post(url, json=ask | {"response_format": bad_json}, timeout=300)
+    assert r.status_code == 400 and "maxLength" in r.json()["error"]["message"], r.text
+    r = requests.post(url, json=ask, timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

@@ -77,3 +77,14 @@ def test_vllms_manager_serves_our_parser():
 
     register()
     assert ToolParserManager.get_tool_parser("deepseek_v41") is DeepSeekV41ToolParser
+
+
+def test_a_schema_xgrammar_refuses_is_a_clear_error_naming_the_tool():
+    from vllm.exceptions import VLLMValidationError
+
+    lookbehind = {"type": "function", "function": {"name": "find", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["x"]}}}
+    with pytest.raises(VLLMValidationError, match=r"cannot compile it: 'find' \(.*strict.: false"):
+        _grammar(DeepSeekV41ToolParser, [ADD, lookbehind], "required")
+    loose = {"type": "function", "function": {**lookbehind["function"], "strict": False}}
+    assert _grammar(DeepSeekV41ToolParser, [ADD, loose], "required") is not None  # the way out works
