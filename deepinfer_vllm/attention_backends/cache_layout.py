@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_vllm.configs import LayerRole, V41Arch
+from deepinfer_vllm.model_executor.checkpoint import dspark_prefix
 from deepinfer_vllm.ops.paged_records import RecordFormat
 
 WINDOW_FORMAT = "mxfp8"
@@ -116,11 +117,6 @@ def layer_caches(
                 )
             )
     return decls
-
-
-def dspark_prefix(k: int) -> str:
-    """Checkpoint / module prefix of DSpark stage ``k`` (spec §12.4)."""
-    return f"mtp.{k}"
 
 
 def model_caches(arch: V41Arch, dspark: bool = False) -> list[CacheDecl]:

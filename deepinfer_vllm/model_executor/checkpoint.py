@@ -45,6 +45,7 @@ __all__ = [
     "FP8",
     "INDEX_FILE",
     "DSPARK_PREFIX",
+    "dspark_prefix",
     "VISION_PREFIXES",
     "CheckpointFormatError",
     "TensorSpec",
@@ -84,6 +85,11 @@ _ALT_VISION_NORM = (BF16,)
 # Name prefixes of the two optional groups: the DSpark stages and the vision tower
 # (its ViT, aligner and the image delimiter vectors).
 DSPARK_PREFIX = "mtp."
+
+
+def dspark_prefix(k: int) -> str:
+    """Checkpoint and module prefix of DSpark stage ``k`` (spec §12.4)."""
+    return f"{DSPARK_PREFIX}{k}"
 VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 # Known keys that no implementation uses (spec §12.4): allowed, never required,
@@ -227,9 +233,9 @@ def _mtp_heads(b: _SpecBuilder, arch: V41Arch) -> None:
     """DSpark's extra tensors: input projection on the first stage, heads on the last (§13.1)."""
     d, rank = arch.hidden_size, arch.dspark_markov_rank
     # mtp.0.main_proj: FP8 + scale (likely; vLLM and DeepInfer build it with the FP8 config).
-    b.fp8("mtp.0.main_proj", d, len(arch.dspark_target_layer_ids) * d)
-    b.add("mtp.0.main_norm.weight", (d,), BF16)
-    last = f"mtp.{arch.num_mtp_layers - 1}"
+    b.fp8(f"{dspark_prefix(0)}.main_proj", d, len(arch.dspark_target_layer_ids) * d)
+    b.add(f"{dspark_prefix(0)}.main_norm.weight", (d,), BF16)
+    last = dspark_prefix(arch.num_mtp_layers - 1)
     b.add(f"{last}.norm.weight", (d,), BF16)
     # Markov heads bf16 (likely; DeepInfer builds them unquantised in bf16).
     b.add(f"{last}.markov_head.embed.weight", (arch.vocab_size, rank), BF16)
@@ -281,7 +287,7 @@ def expected_tensors(
         _block(b, arch, f"layers.{role.layer_id}", role, arch.n_routed_experts)
     if include_mtp and arch.num_mtp_layers:
         for k, role in enumerate(arch.mtp_roles):
-            _block(b, arch, f"mtp.{k}", role, arch.dspark_n_routed_experts)
+            _block(b, arch, dspark_prefix(k), role, arch.dspark_n_routed_experts)
         _mtp_heads(b, arch)
     if include_vision and arch.has_vision:
         _vision(b, arch)

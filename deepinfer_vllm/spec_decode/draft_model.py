@@ -20,9 +20,9 @@ from torch import nn
 
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
-from deepinfer_vllm.attention_backends.cache_layout import dspark_prefix
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
+from deepinfer_vllm.model_executor.checkpoint import dspark_prefix
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention

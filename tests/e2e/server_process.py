@@ -13,6 +13,9 @@ from pathlib import Path
 
 import requests
 
+# Two CPU workers (TP=2 or DP=2) on this 2-core host: one core each.
+TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -12,9 +12,7 @@ import re
 
 import pytest
 import requests
-from server_process import openai_server
-
-TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+from server_process import TWO_WORKERS, openai_server
 
 
 @pytest.fixture(scope="module")

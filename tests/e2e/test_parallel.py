@@ -17,13 +17,12 @@ import time
 import pytest
 import requests
 import torch
-from server_process import openai_server
+from server_process import TWO_WORKERS, openai_server
 
 from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index
 from deepinfer_vllm.model_executor.weight_bytes import component_of
 
 BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
-TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def _header_bytes(model_dir: str) -> dict[str, int]:
