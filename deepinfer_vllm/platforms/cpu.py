@@ -74,8 +74,11 @@ class DeepInferCpuPlatform(CpuPlatform):
         chunked = scheduler_config.enable_chunked_prefill
         prefix = cache_config.enable_prefix_caching
         max_batched = scheduler_config.max_num_batched_tokens
-        _check_parallel(model_config, parallel_config)
-        checkpoint_names = _validate_checkpoint(model_config)
+        from deepinfer_vllm.configs import V41Arch
+
+        arch = V41Arch.from_config(model_config.hf_config)
+        _check_parallel(arch, parallel_config)
+        checkpoint_names = _validate_checkpoint(arch, model_config)
         super().check_and_update_config(vllm_config)
         block_size = user_block_size or V41_DEFAULT_BLOCK_SIZE
         if block_size % 2:
@@ -88,7 +91,7 @@ class DeepInferCpuPlatform(CpuPlatform):
         scheduler_config.max_num_batched_tokens = max_batched
         dspark = None
         if vllm_config.speculative_config is not None:
-            dspark = _configure_dspark(vllm_config, checkpoint_names)
+            dspark = _configure_dspark(vllm_config, arch, checkpoint_names)
         logger.info(
             "DeepInfer V4.1 on CPU: block_size=%d, chunked_prefill=%s, prefix_caching=%s, "
             "tensor_parallel=%d, data_parallel=%d, expert_parallel=%s, dspark=%s",
@@ -123,36 +126,32 @@ def expand_batch_values(output, input_val, cu_num_tokens, replace_from, replace_
     output[: expanded.numel()] = expanded.to(output.dtype)
 
 
-def _check_parallel(model_config, parallel_config) -> None:
+def _check_parallel(arch, parallel_config) -> None:
     """Refuse parallel settings V4.1 cannot be split by, in the user's process."""
-    from deepinfer_vllm.configs import V41Arch
     from deepinfer_vllm.model_executor.layers.parallel import check_vllm_parallel
 
-    check_vllm_parallel(V41Arch.from_config(model_config.hf_config), parallel_config)
+    check_vllm_parallel(arch, parallel_config)
 
 
-def _validate_checkpoint(model_config) -> set[str] | None:
+def _validate_checkpoint(arch, model_config) -> set[str] | None:
     """Check a local checkpoint's safetensors headers against the V4.1 format here, in the
     user's process, so a bad tensor is named before any engine process starts (the loader
     checks again in the worker, and is the only check for hub ids). Returns the tensor names
     (None when the model is not a local folder of safetensors)."""
     from pathlib import Path
 
-    from deepinfer_vllm.configs import V41Arch
     from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index, validate_checkpoint_index
 
     model_dir = Path(model_config.model)
     if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
         return None
     found = read_safetensors_index(model_dir)
-    validate_checkpoint_index(V41Arch.from_config(model_config.hf_config), found)
+    validate_checkpoint_index(arch, found)
     return set(found)
 
 
-def _configure_dspark(vllm_config, checkpoint_names: set[str] | None):
+def _configure_dspark(vllm_config, arch, checkpoint_names: set[str] | None):
     """Validate DSpark for V4.1 and hand vLLM's V1 runner DeepInfer's proposer (``spec_decode.config``)."""
-    from deepinfer_vllm.configs import V41Arch
     from deepinfer_vllm.spec_decode.config import configure_dspark
 
-    arch = V41Arch.from_config(vllm_config.model_config.hf_config)
     return configure_dspark(vllm_config, arch, checkpoint_names)
