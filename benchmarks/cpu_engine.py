@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_engine.py [--dtype bfloat16|float32] [--prefill-len 256]
                                     [--num-prompts 8] [--decode-tokens 64] [--model-dir DIR]
-                                    [--repeats 3]
+                                    [--repeats 3] [--batch-invariant]
 
 Both models run through ``vllm.LLM`` on vLLM's CPU build with the same engine
 settings, one after the other in the same invocation:
@@ -25,6 +25,10 @@ the table shows the median run (every run is listed below it).
 * decode: ``--num-prompts`` prompts of 16 tokens generating ``--decode-tokens``
   tokens each (``ignore_eos``); tokens/s = generated tokens / wall time of the
   call (its short prefill included).
+
+With ``--batch-invariant``, V4.1 runs a second time with
+``DEEPINFER_BATCH_INVARIANT=1`` (its first run has ``0``), and the table adds the
+ratio of the two: the cost of batch invariance.
 
 Each model runs in its own ``multiprocessing`` spawn child, so the first
 engine (and its engine-core process) is gone before the second starts; the
@@ -268,7 +272,8 @@ def _relay(log_path: Path, pos: int) -> int:
     return pos + len(chunk)
 
 
-def measure(name: str, model_dir: Path, args: argparse.Namespace, work: Path) -> dict:
+def measure(name: str, model_dir: Path, args: argparse.Namespace, work: Path, env: dict | None = None) -> dict:
+    """One model in a spawn child; ``env`` is set for the child (and its engine processes)."""
     ctx = mp.get_context("spawn")
     log_path, result_path = work / f"{name}.log", work / f"{name}.result.json"
     log_path.write_bytes(b"")
@@ -277,7 +282,16 @@ def measure(name: str, model_dir: Path, args: argparse.Namespace, work: Path) ->
         k: getattr(args, k) for k in ("dtype", "num_prompts", "prefill_len", "decode_tokens", "repeats")
     }
     proc = ctx.Process(target=run_model, args=(str(model_dir), child_args, str(log_path), str(result_path)))
-    proc.start()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     pos = 0
     while proc.is_alive():
         proc.join(0.5)
@@ -381,6 +395,12 @@ def report(args: argparse.Namespace, rows: list[tuple[str, dict, dict]], llama: 
         f"| ratio V4.1 / Llama | | {v41['prefill']['tok_s'] / lm['prefill']['tok_s']:.3f} "
         f"| {v41['decode']['tok_s'] / lm['decode']['tok_s']:.3f} |"
     )
+    if len(rows) > 2:
+        bi = rows[2][1]
+        out.append(
+            f"| ratio V4.1 batch-invariant / V4.1 | | {bi['prefill']['tok_s'] / v41['prefill']['tok_s']:.3f} "
+            f"| {bi['decode']['tok_s'] / v41['decode']['tok_s']:.3f} |"
+        )
     out.append("")
     for label, res, params in rows:
         extra = ""
@@ -444,6 +464,11 @@ def main() -> None:
         help="V4.1 tiny checkpoint dir: reused if present, else built there",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per phase; the median is reported")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also run V4.1 with DEEPINFER_BATCH_INVARIANT=1 and report its ratio to the default",
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -457,12 +482,17 @@ def main() -> None:
         v41_dir = build_v41(args.model_dir or work / "v41-tiny")
         llama_dir = build_llama(work / "llama", v41_dir)
         rows = []
-        for label, name, model_dir in (
-            ("DeepSeek-V4.1 tiny (plugin)", "v41", v41_dir),
-            ("Llama (vLLM in-tree)", "llama", llama_dir),
-        ):
+        runs = [
+            ("DeepSeek-V4.1 tiny (plugin)", "v41", v41_dir, {"DEEPINFER_BATCH_INVARIANT": "0"}),
+            ("Llama (vLLM in-tree)", "llama", llama_dir, None),
+        ]
+        if args.batch_invariant:
+            runs.append(
+                ("DeepSeek-V4.1 tiny, DEEPINFER_BATCH_INVARIANT=1", "v41_bi", v41_dir, {"DEEPINFER_BATCH_INVARIANT": "1"})
+            )
+        for label, name, model_dir, env in runs:
             print(f"[cpu_engine] running {label} from {model_dir}", file=sys.stderr, flush=True)
-            rows.append((label, measure(name, model_dir, args, work), safetensors_params(model_dir)))
+            rows.append((label, measure(name, model_dir, args, work, env), safetensors_params(model_dir)))
         print(report(args, rows, llama_shape(v41_dir), tree), flush=True)
 
 

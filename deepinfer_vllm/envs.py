@@ -11,6 +11,7 @@ the plugin stays cheap to import in every vLLM process.
 | ``DEEPINFER_MODEL`` | ``auto`` | which class serves ``DeepseekV41ForCausalLM``. ``deepinfer``: this plugin's (released formats held as released, TP/DP/EP through vLLM's groups). ``vllm``: vLLM's in-tree class (the plugin registers no model; its serving fixes in ``entrypoints/`` still apply). ``auto``: vLLM's on CUDA and ROCm, where the in-tree class runs the release on the GPU; the plugin's everywhere else (vLLM's is GPU-only). The choice is logged. |
 | ``DEEPINFER_USE_NEXTN_DECODE`` | unset | DeepInfer's DSpark draft width ``k``: used where vLLM's ``speculative_config`` leaves ``num_speculative_tokens`` to its default. vLLM 0.32 accepts that only when the config names the draft ``model`` (for DSpark, the checkpoint itself) and then fills in ``dspark_block_size``; with this variable set, the platform uses its value instead (an explicit ``num_speculative_tokens`` equal to ``dspark_block_size`` cannot be told apart and yields too). ``0`` refuses DSpark. |
 | ``DEEPINFER_ATTENTION_KERNELS`` | ``auto`` | kernels of the attention hot path (cache writes, indexer + top-k, sparse attention). ``auto``: our Triton kernels on CUDA devices, the PyTorch reference elsewhere. ``torch``: always the reference. ``triton``: always Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). The choice is logged once. |
+| ``DEEPINFER_BATCH_INVARIANT`` | ``0`` | ``1``: every row of a step is computed independently of the other rows (requests, prefill chunks, decodes) sharing it, so a request's tokens and logprobs are bitwise the same alone and in any batch, in bf16 and fp32 (greedy and seeded sampling). GEMMs run in fixed row tiles (``ops.numerics.matmul``) and sigmoid / SiLU / softplus on the scalar kernel (``ops.numerics.pointwise``); numerics stay those of the spec (last-ulp differences from ``0``). Costs throughput (``benchmarks/README.md``). ``0``: the fastest kernel for each call. |
 | ``DEEPINFER_GRAMMAR_MAX_WHITESPACE`` | ``16`` | longest whitespace run a V4.1 JSON or tool-call grammar allows (xgrammar's ``max_whitespace_cnt``) where vLLM allows whitespace at all (its ``disable_any_whitespace`` off); without a cap a model can fill ``max_tokens`` with blanks. See ``entrypoints/structured_outputs.py``. |
 """
 
@@ -78,6 +79,12 @@ ATTENTION_KERNEL_MODES = ("auto", "torch", "triton")
 
 def attention_kernels() -> str:
     return _choice("DEEPINFER_ATTENTION_KERNELS", ATTENTION_KERNEL_MODES)
+
+
+def batch_invariant() -> bool:
+    """``DEEPINFER_BATCH_INVARIANT``: ``1`` on, ``0`` (default) off. Read on every call
+    (by every GEMM of the model): one environment lookup."""
+    return _choice("DEEPINFER_BATCH_INVARIANT", ("0", "1")) == "1"
 
 
 def nextn_decode() -> int | None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from .numerics import acc_dtype
+from .numerics import acc_dtype, pointwise
 
 __all__ = [
     "ENGRAM_DEAD",
@@ -413,7 +413,7 @@ def engram_gate_update(
     r_k = torch.rsqrt(keys.square().mean(dim=-1) + eps)
     w = (q_weight.to(acc) * k_weight.to(acc)).unsqueeze(0)
     dot = (x * w * keys).sum(dim=-1) * r_x * r_k * (D ** -0.5)
-    gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp_min(clamp).sqrt())
+    gate = pointwise(torch.sigmoid, torch.sign(dot) * dot.abs().clamp_min(clamp).sqrt())
     out = (x + gate.unsqueeze(-1) * value.unsqueeze(1)).to(streams.dtype)
     if is_image is not None:
         out = torch.where(is_image.view(T, 1, 1).bool(), streams, out)

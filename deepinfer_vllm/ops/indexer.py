@@ -8,7 +8,10 @@ descending sort, so equal scores resolve to the LOWER index.
 from __future__ import annotations
 
 import torch
-from .numerics import acc_dtype
+
+from deepinfer_vllm import envs
+
+from .numerics import acc_dtype, matmul
 
 __all__ = [
     "visible_compressed",
@@ -52,12 +55,28 @@ def index_scores(
     step = max(1, _CHUNK_ELEMS // max(1, H * N))
     for a in range(0, Tq, step):  # query chunks bound memory; each chunk is fully vectorised
         b = min(Tq, a + step)
-        logits = torch.einsum("thd,nd->thn", q[a:b].to(acc), kf).clamp_min_(0.0)
-        s = torch.einsum("thn,th->tn", logits, weights[a:b].to(acc))
+        if envs.batch_invariant():
+            s = _row_invariant_scores(q[a:b].to(acc), kf, weights[a:b].to(acc))
+        else:
+            logits = torch.einsum("thd,nd->thn", q[a:b].to(acc), kf).clamp_min_(0.0)
+            s = torch.einsum("thn,th->tn", logits, weights[a:b].to(acc))
         out[a:b] = s.to(out_dtype).float()
     cols = torch.arange(N, device=q.device)
     hidden = cols.unsqueeze(0) >= visible.long().view(-1, 1)
     return out.masked_fill(hidden, float("-inf"))
+
+
+def _row_invariant_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``index_scores``' sum in batch-invariant mode: the dot products by
+    ``numerics.matmul`` with row and column tiles (a query's step rows and the
+    number of keys vary), the head sum as one multiply and one add per head in
+    head order (separate correctly rounded ops, the same for every element)."""
+    Tq, H, _ = q.shape
+    logits = matmul(q, keys, col_tile=True).clamp_min_(0.0)
+    s = logits[:, 0] * weights[:, 0:1]
+    for h in range(1, H):
+        s = s + logits[:, h] * weights[:, h : h + 1]
+    return s
 
 
 def _stable_desc_order(values: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import acc_dtype
+from .numerics import acc_dtype, matmul, pointwise
 
 __all__ = [
     "hc_mix_logits",
@@ -39,7 +39,7 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> to
     x = streams.reshape(T, -1).to(acc_dtype(streams.dtype))
     if fn.shape[-1] != x.shape[-1]:
         raise ValueError(f"fn width {fn.shape[-1]} != hc*D {x.shape[-1]}")
-    proj = x @ fn.to(x.dtype).t()
+    proj = matmul(x, fn.to(x.dtype))
     rstd = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + rms_eps)
     return proj * rstd
 
@@ -58,7 +58,7 @@ def hc_mix_logits_broadcast(e: torch.Tensor, fn_broadcast: torch.Tensor, rms_eps
     """Mix logits for ``hc`` identical copies of ``e [T, D]`` using the summed projection."""
     ef = e.to(acc_dtype(e.dtype))
     rstd = torch.rsqrt(ef.square().mean(dim=-1, keepdim=True) + rms_eps)
-    return (ef @ fn_broadcast.to(ef.dtype).t()) * rstd
+    return matmul(ef, fn_broadcast.to(ef.dtype)) * rstd
 
 
 def sinkhorn(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -98,8 +98,8 @@ def hc_split_mixes(
     z_pre = m[:, :hc] * scale[0] + base[:hc]
     z_post = m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc]
     z_comb = m[:, 2 * hc :] * scale[2] + base[2 * hc :]
-    pre = torch.sigmoid(z_pre) + hc_eps
-    post = torch.sigmoid(z_post) * post_mult
+    pre = pointwise(torch.sigmoid, z_pre) + hc_eps
+    post = pointwise(torch.sigmoid, z_post) * post_mult
     comb = sinkhorn(z_comb.view(T, hc, hc), sinkhorn_iters, hc_eps)
     return pre, post, comb
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from .numerics import acc_dtype, gemm
+from .numerics import acc_dtype, gemm, matmul, pointwise
 
 __all__ = [
     "stable_topk_indices",
@@ -68,8 +68,8 @@ def route_sqrtsoftplus(
       sum (+1e-20, as the DeepSeek gate kernel does), then times ``routed_scaling_factor``.
     """
     acc = acc_dtype(x.dtype)
-    logits = x.to(acc) @ gate_weight.to(acc).t()
-    scores = F.softplus(logits).sqrt()
+    logits = matmul(x.to(acc), gate_weight.to(acc))
+    scores = pointwise(F.softplus, logits).sqrt()
     E = scores.shape[-1]
     if bias is None:
         bias = torch.zeros(E, dtype=acc, device=scores.device)
@@ -93,7 +93,7 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
     if limit is not None:
         g = torch.clamp(g, max=limit)
         u = torch.clamp(u, min=-limit, max=limit)
-    return F.silu(g) * u
+    return pointwise(F.silu, g) * u
 
 
 def expert_mlp(

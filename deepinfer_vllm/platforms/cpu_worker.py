@@ -7,7 +7,13 @@ V1 runner does not do:
   prefill truncation of the decoder half (``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``);
 * DSpark drafting (``spec_decode``): the drafts of every step, their
   distributions for vLLM's rejection sampler, and the cost table of adaptive
-  verification, profiled once the KV caches exist.
+  verification, profiled once the KV caches exist;
+* seeded sampling across prefill chunks: after a step that ends inside a
+  prompt, vLLM discards the request's sample and rewinds its generator with
+  ``set_offset``, which CPU generators lack (the engine dies). The runner
+  keeps the generator's state from before sampling and restores that instead,
+  so a seeded request draws the same numbers however its prompt is chunked
+  (alone or in a batch).
 
 Other models never see a difference (only ``V41StepMetadata`` objects are
 touched, and the DSpark hooks run only with DeepInfer's proposer).
@@ -16,6 +22,8 @@ touched, and the DSpark hooks run only with DeepInfer's proposer).
 from __future__ import annotations
 
 import time
+
+import numpy as np
 
 import vllm.v1.worker.cpu_worker as stock_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -48,6 +56,34 @@ class DeepInferCPUModelRunner(CPUModelRunner):
         if isinstance(attn_metadata, dict):
             self._v41_step_metadata = attn_metadata
         return attn_metadata, spec_metadata
+
+    # ------------------------------------------------------- seeded sampling
+    _rewind: dict | None = None
+
+    def _sample(self, logits, spec_decode_metadata):
+        # Requests whose sample this step discards (a prompt chunk that is not the
+        # last): remember their CPU generators' state before the sampler draws.
+        rewind = {}
+        num_reqs = self.input_batch.num_reqs
+        for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0].tolist():
+            gen = self.input_batch.generators.get(i)
+            if gen is not None and gen.device.type == "cpu":
+                rewind[i] = (gen, gen.get_state())
+        self._rewind = rewind
+        return super()._sample(logits, spec_decode_metadata)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        # Restore those states, and hide the generators from vLLM's offset rewind.
+        rewind, self._rewind = self._rewind or {}, None
+        generators = self.input_batch.generators
+        for i, (gen, state) in rewind.items():
+            gen.set_state(state)
+            generators.pop(i, None)
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            for i, (gen, _) in rewind.items():
+                generators[i] = gen
 
     # ---------------------------------------------------------------- DSpark
     def _dspark(self) -> DSparkProposer | None:

@@ -9,7 +9,8 @@ exact, so the products are those of a model holding dequantised weights; the
 workspace is reused by every GEMM of every layer, and weights with many rows
 are decoded and multiplied a row block at a time, so it never holds more than
 ``WORKSPACE_ELEMENTS`` values per decode (splitting the output rows of a GEMM leaves
-every output element's sum unchanged).
+every output element's sum unchanged). The multiply is ``ops.numerics.matmul``
+(fixed row tiles in batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_vllm.ops import quant
-from deepinfer_vllm.ops.numerics import acc_dtype
+from deepinfer_vllm.ops.numerics import acc_dtype, matmul
 
 __all__ = [
     "WORKSPACE_ELEMENTS",
@@ -92,10 +93,10 @@ def _gemm_blocks(x: torch.Tensor, rows: int, cols: int, align: int, decode, out_
     acc = acc_dtype(x.dtype)
     xa = x.to(acc)
     if rows * cols <= WORKSPACE_ELEMENTS:
-        return (xa @ decode(0, rows, acc).t()).to(out_dtype)
+        return matmul(xa, decode(0, rows, acc)).to(out_dtype)
     out = torch.empty(*x.shape[:-1], rows, dtype=out_dtype, device=x.device)
     for lo, hi in _row_blocks(rows, cols, align):
-        out[..., lo:hi] = (xa @ decode(lo, hi, acc).t()).to(out_dtype)
+        out[..., lo:hi] = matmul(xa, decode(lo, hi, acc)).to(out_dtype)
     return out
 
 
