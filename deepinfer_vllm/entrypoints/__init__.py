@@ -9,9 +9,18 @@
 from __future__ import annotations
 
 
-def install() -> None:
-    """Install both (idempotent; called by ``deepinfer_vllm.register``)."""
-    from deepinfer_vllm.entrypoints import structured_outputs, tool_parser
+TOOL_PARSER = ("deepseek_v41", "deepinfer_vllm.entrypoints.tool_parser", "DeepSeekV41ToolParser")
 
-    tool_parser.install()
+
+def install() -> None:
+    """Install both (idempotent; called by ``deepinfer_vllm.register``). The parser is
+    registered lazily, as vLLM registers its own: nothing of the serving stack is
+    imported until a server asks for it."""
+    from vllm.tool_parsers import ToolParserManager
+
+    from deepinfer_vllm.entrypoints import structured_outputs
+
+    name, module, cls = TOOL_PARSER
+    ToolParserManager.tool_parsers.pop(name, None)  # vLLM's class, if already loaded
+    ToolParserManager.register_lazy_module(name, module, cls)
     structured_outputs.install()

@@ -97,8 +97,3 @@ def _check_compiles(tag: Any, tools: list) -> None:
         ) from tag_error
 
 
-def install() -> None:
-    """Serve ``--tool-call-parser deepseek_v41`` with ``DeepSeekV41ToolParser``."""
-    from vllm.tool_parsers import ToolParserManager
-
-    ToolParserManager.register_module(name=PARSER_NAME, module=DeepSeekV41ToolParser, force=True)
