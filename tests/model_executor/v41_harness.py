@@ -56,6 +56,7 @@ class PagedHarness:
         block_size: int = 16,
         num_blocks: int = 256,
         speculative_config: dict | None = None,
+        device: str = "cpu",
     ):
         import deepinfer_vllm
 
@@ -65,8 +66,9 @@ class PagedHarness:
             speculative_config=speculative_config,
         )
         self.cfg = args.create_engine_config()
-        # As vLLM's loader does: the model dtype is torch's default while building.
-        with set_current_vllm_config(self.cfg), set_default_torch_dtype(self.cfg.model_config.dtype):
+        self.device = torch.device(device)
+        # As vLLM's loader does: the model dtype (and device) are torch's defaults while building.
+        with set_current_vllm_config(self.cfg), set_default_torch_dtype(self.cfg.model_config.dtype), self.device:
             single_rank_groups()
             self.model = DeepseekV41ForCausalLM(vllm_config=self.cfg)
             self.model.load_weights(self._weights(model_dir))
@@ -74,7 +76,9 @@ class PagedHarness:
         self.num_blocks = num_blocks
         for layer in self.model.cache_layers.values():
             spec = layer.get_kv_cache_spec(self.cfg)
-            cache = torch.zeros(num_blocks, 1, spec.num_states, spec.state_content_size_bytes, dtype=torch.uint8)
+            cache = torch.zeros(
+                num_blocks, 1, spec.num_states, spec.state_content_size_bytes, dtype=torch.uint8, device=self.device
+            )
             if spec.dtype != torch.uint8:
                 cache = cache.view(spec.dtype)
             layer.bind_kv_cache(cache)
@@ -111,7 +115,9 @@ class PagedHarness:
             qsl.append(qsl[-1] + len(new))
             seq_lens.append(len(req.tokens))
             ctx_lens.append(start)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
+        # As vLLM's builder hands them over: positions and block tables on the model's
+        # device, the per-request host tensors on the CPU.
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         token_req = torch.repeat_interleave(
             torch.arange(len(chunks)), torch.tensor([len(c[1]) for c in chunks])
         )
@@ -126,6 +132,7 @@ class PagedHarness:
             table = torch.zeros(len(chunks), width, dtype=torch.int64)
             for i, t in enumerate(tables):
                 table[i, : len(t)] = torch.tensor(t)
+            table = table.to(self.device)
             metadata[name] = V41StepMetadata(
                 num_reqs=len(chunks),
                 num_actual_tokens=len(ids),
@@ -139,7 +146,7 @@ class PagedHarness:
                 prompt_lens=torch.tensor(prompt_lens if prompt_lens is not None else seq_lens),
             )
         with set_forward_context(metadata, self.cfg):
-            hidden = self.model(torch.tensor(ids), positions_t)
+            hidden = self.model(torch.tensor(ids, device=self.device), positions_t)
         self.last_metadata = metadata
         self.last_request_ids = [rid for rid, _ in chunks]
         return self.model.compute_logits(hidden)

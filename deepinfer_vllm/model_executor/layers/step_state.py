@@ -39,12 +39,13 @@ class StepState:
     @classmethod
     def from_metadata(cls, attn_metadata: dict, any_layer: str) -> "StepState":
         meta = attn_metadata[any_layer]
+        device = meta.positions.device  # the model's: per-token and per-request tensors live there
         return cls(
             attn_metadata=attn_metadata,
             positions=meta.positions,
-            token_req=meta.token_req,
-            seq_lens=meta.seq_lens,
-            context_lens=meta.context_lens,
+            token_req=meta.token_req.to(device),
+            seq_lens=meta.seq_lens.to(device),
+            context_lens=meta.context_lens.to(device),
             num_reqs=meta.num_reqs,
         )
 

@@ -316,7 +316,7 @@ class V41Attention(nn.Module):
         visible = (state.positions + 1) // r
         source = self.kv_source
         keys_view = PagedView(source.index_cache, state)
-        topk = torch.full((T, a.index_topk), -1, dtype=torch.int64)
+        topk = torch.full((T, a.index_topk), -1, dtype=torch.int64, device=x.device)
         is_candidate_source = self.role.is_candidate_source
         use_candidates = self.role.uses_candidates
         for row in range(state.num_reqs):
@@ -326,7 +326,7 @@ class V41Attention(nn.Module):
             n = int(visible[tok].max())
             if n == 0:
                 continue
-            entries = torch.arange(n)
+            entries = torch.arange(n, device=x.device)
             keys = keys_view.read(torch.full_like(entries, row), entries, x.dtype)
             scores = index_scores(qi[tok], w[tok], keys, visible[tok])
             if is_candidate_source:
@@ -351,7 +351,7 @@ class V41Attention(nn.Module):
         W = self.arch.sliding_window
         pos = state.positions
         req = state.token_req
-        offs = torch.arange(W, dtype=torch.int64)
+        offs = torch.arange(W, dtype=torch.int64, device=pos.device)
         key_pos = pos.unsqueeze(1) - (W - 1) + offs
         valid = key_pos >= window_lo.unsqueeze(1)
         safe_pos = torch.where(valid, key_pos, pos.unsqueeze(1))

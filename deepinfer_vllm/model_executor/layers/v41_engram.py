@@ -78,7 +78,7 @@ class TokenHistory(nn.Module):
         pos, req = state.positions, state.token_req
         blocks, offs = self._slots(state, pos, req)
         cache[blocks, offs] = input_ids.to(torch.int32)
-        back = pos.unsqueeze(1) - torch.arange(depth)
+        back = pos.unsqueeze(1) - torch.arange(depth, device=pos.device)
         valid = back >= 0
         safe = back.clamp_min(0)
         blocks, offs = self._slots(state, safe, req.unsqueeze(1).expand_as(safe))

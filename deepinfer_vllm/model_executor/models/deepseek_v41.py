@@ -222,7 +222,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             history_image = raw == arch.image_token_id
             ngram_ids = self.engram_tables.ngram_ids(raw, history_image)
             engram_inputs = (ngram_ids, self.engram_tables, is_image)
-        rows = torch.arange(T)
+        rows = torch.arange(T, device=x.device)
         compact_rows = self._apply_yoco(state) if state.has_caches else None
         targets = arch.dspark_target_layer_ids if self.mtp is not None and state.has_caches else ()
         entries: list[tuple[torch.Tensor, int]] = []  # (entry streams, rows at the time)
