@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from .numerics import acc_dtype, pointwise
+from .numerics import acc_dtype, device_constant, pointwise
 
 __all__ = [
     "ENGRAM_DEAD",
@@ -341,6 +341,7 @@ def engram_hash(
     multipliers: Sequence[int],
     primes: Sequence[Sequence[int]],
     offsets: Sequence[int],
+    id_bound: int | None = None,
 ) -> torch.Tensor:
     """Row indices into one layer's Engram table (spec §8.4) -> int64 ``[T, (max_ngram-1)*n_heads]``.
 
@@ -352,7 +353,8 @@ def engram_hash(
     Overflow: with compressed vocab ``V`` every id (and pad) is in ``[0, V)`` and every multiplier
     is at most ``2*bound - 1 < (2^63-1) // V``, so ``v * mult < 2^63``: products are exact
     non-negative int64, XOR of non-negative int64 stays non-negative, and ``%`` is the plain
-    remainder. This is checked at run time against the actual ids and multipliers.
+    remainder. This is checked against ``id_bound`` (the compressed vocabulary size, all ids
+    below it: no look at the ids, so no wait on a device) or, without it, against the actual ids.
     Image rows (``s = 0`` dead) hash an all-pad window; their gate is zero anyway.
     """
     ids = ngram_ids.long()
@@ -360,7 +362,10 @@ def engram_hash(
     if len(multipliers) < max_ngram or len(primes) < max_ngram - 1:
         raise ValueError("not enough multipliers / prime rows for this n-gram size")
     n_heads = len(primes[0])
-    max_id = max(int(ids.max()) if ids.numel() else 0, int(pad_id))
+    if id_bound is not None:
+        max_id = max(int(id_bound) - 1, int(pad_id))
+    else:
+        max_id = max(int(ids.max()) if ids.numel() else 0, int(pad_id))
     if max_id * max(int(m) for m in multipliers[:max_ngram]) > _INT64_MAX:
         raise OverflowError("id * multiplier would overflow int64; ids must be < compressed vocab size")
     dev = ids.device
@@ -372,9 +377,14 @@ def engram_hash(
         v = torch.where(blocked, torch.full_like(rolling, int(pad_id)), ids[:, s])
         rolling = torch.bitwise_xor(rolling, v * int(multipliers[s]))
         if s >= 1:
-            mods = torch.tensor([int(p) for p in primes[s - 1]], dtype=torch.int64, device=dev)
-            offs = torch.tensor(
-                [int(offsets[(s - 1) * n_heads + h]) for h in range(n_heads)], dtype=torch.int64, device=dev
+            mods = device_constant(
+                "engram_primes", tuple(int(p) for p in primes[s - 1]), torch.int64, dev
+            )
+            offs = device_constant(
+                "engram_offsets",
+                tuple(int(offsets[(s - 1) * n_heads + h]) for h in range(n_heads)),
+                torch.int64,
+                dev,
             )
             cols.append(torch.remainder(rolling.unsqueeze(1), mods) + offs)
     return torch.cat(cols, dim=1)

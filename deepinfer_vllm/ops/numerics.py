@@ -36,13 +36,14 @@ dtype:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from deepinfer_vllm import envs
 
-__all__ = ["COL_TILE", "ROW_TILE", "acc_dtype", "gemm", "matmul", "pointwise", "tiled_matmul"]
+__all__ = ["COL_TILE", "ROW_TILE", "acc_dtype", "device_constant", "gemm", "matmul", "pointwise", "tiled_matmul"]
 
 # Rows per GEMM tile in batch-invariant mode. A single decode row costs a
 # whole tile; larger tiles make prefill GEMMs faster (benchmarks/README.md,
@@ -50,6 +51,14 @@ __all__ = ["COL_TILE", "ROW_TILE", "acc_dtype", "gemm", "matmul", "pointwise", "
 ROW_TILE = 8
 # Columns per tile for right operands whose row count varies (``col_tile=True``).
 COL_TILE = 128
+
+
+@functools.lru_cache(maxsize=256)
+def device_constant(name: str, values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The constant table ``name`` on ``device``, built once per device: a device step then
+    never copies it from the host (a copy the GPU would wait on). ``name`` keys the cache
+    (equal tuples can differ, e.g. in the sign of a zero). Read-only."""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .numerics import device_constant
+
 __all__ = [
     "E4M3_MAX",
     "E2M1_MAX",
@@ -114,10 +116,8 @@ UE8M0_MAX_EXP = 127
 MX_BLOCK = 32
 NV_BLOCK = 16
 
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=torch.float32,
-)
+_E2M1_VALUE_LIST = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = torch.tensor(_E2M1_VALUE_LIST, dtype=torch.float32)
 # Both values of every packed byte (low nibble first): one lookup decodes a byte.
 _E2M1_BYTE_PAIRS = torch.stack(
     (E2M1_VALUES.repeat(16), E2M1_VALUES.repeat_interleave(16)), dim=-1
@@ -314,7 +314,7 @@ def e2m1_encode(x: Tensor) -> Tensor:
     x = x.float()
     a = x.abs()
     a = torch.where(torch.isnan(a), torch.full_like(a, E2M1_MAX), a)
-    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
+    mids = device_constant("e2m1_midpoints", _E2M1_MIDPOINTS, torch.float32, x.device)
     code = torch.bucketize(a, mids).to(torch.uint8)
     tie_up = torch.zeros_like(a, dtype=torch.bool)
     for m in _E2M1_TIES_UP:
@@ -326,7 +326,7 @@ def e2m1_encode(x: Tensor) -> Tensor:
 def e2m1_decode(codes: Tensor) -> Tensor:
     """E2M1 codes (low nibble of each byte) -> fp32."""
     codes = _as_u8(codes)
-    table = E2M1_VALUES.to(codes.device)
+    table = device_constant("e2m1_values", _E2M1_VALUE_LIST, torch.float32, codes.device)
     return table[(codes & 0xF).long()]
 
 

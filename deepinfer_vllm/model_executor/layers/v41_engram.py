@@ -39,13 +39,21 @@ class EngramTables:
         self.primes = primes
         self.offsets = {layer: engram_offsets(p) for layer, p in primes.items()}
         self.multipliers: dict[int, list[int]] = {}
+        self.compressed_vocab_size = arch.engram_compressed_vocab_size
         self._arch = arch
 
     def set_vocab(self, old2new: torch.Tensor) -> None:
         """Raw id -> compressed id, derived from the checkpoint's tokenizer at load time
         (the hash multipliers depend on the compressed vocabulary's size)."""
         a = self._arch
+        largest = int(old2new.max()) if old2new.numel() else -1
+        if largest >= a.engram_compressed_vocab_size:
+            raise ValueError(
+                f"the tokenizer compresses to id {largest}, outside engram_compressed_vocab_size="
+                f"{a.engram_compressed_vocab_size} of the config: tokenizer and config do not match"
+            )
         self.old2new = old2new
+        self._old2new_on: dict[torch.device, torch.Tensor] = {}
         self.pad_id = int(old2new[self.pad_token_id])
         self.multipliers = {
             layer: engram_multipliers(layer, a.engram_max_ngram_size, a.engram_compressed_vocab_size)
@@ -55,7 +63,10 @@ class EngramTables:
     def ngram_ids(self, raw_history: torch.Tensor, is_image_history: torch.Tensor) -> torch.Tensor:
         """``raw_history [T, max_ngram]`` raw ids at ``p - s`` (-1 before the start)."""
         before = raw_history < 0
-        comp = compress_token_ids(raw_history.clamp_min(0), self.old2new, is_image_history)
+        device = raw_history.device
+        if device not in self._old2new_on:  # once per device, not once per step
+            self._old2new_on[device] = self.old2new.to(device, torch.int64)
+        comp = compress_token_ids(raw_history.clamp_min(0), self._old2new_on[device], is_image_history)
         return torch.where(before, torch.full_like(comp, ENGRAM_BEFORE_START), comp)
 
 
@@ -157,6 +168,7 @@ class V41Engram(nn.Module):
             tables.multipliers[self.layer_id],
             tables.primes[self.layer_id],
             tables.offsets[self.layer_id],
+            id_bound=tables.compressed_vocab_size,
         )
         emb = self.embed.lookup(rows, streams.dtype)
         kv = self.wkv(emb.flatten(1))
