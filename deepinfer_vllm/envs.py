@@ -7,12 +7,13 @@ the plugin stays cheap to import in every vLLM process.
 | --- | --- | --- |
 | ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` | ``off`` | ``off``: every layer runs every prompt row. ``mask``: decoder layers (the causal decoder half, from the first ratio-1 layer) keep window KV only for the last ``KEEP`` prompt positions and clip their window there (DeepInfer's bounded replay semantics). ``compact``: the same numerics, computing decoder layers only on the kept rows. |
 | ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` | ``0`` (= ``sliding_window + 12`` when truncating) | retained suffix ``KEEP``; must be at least ``sliding_window``. |
-| ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). |
+| ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). ``ascend``: DeepInfer's Ascend platform on any Ascend SoC with torch-npu (in ``auto`` only an Ascend 950 gets it); with vllm-ascend installed, also exclude its ``ascend`` entry through ``VLLM_PLUGINS`` (vLLM activates one out-of-tree platform). |
 | ``DEEPINFER_MODEL`` | ``auto`` | which class serves ``DeepseekV41ForCausalLM``. ``deepinfer``: this plugin's (released formats held as released, TP/DP/EP through vLLM's groups). ``vllm``: vLLM's in-tree class (the plugin registers no model; its serving fixes in ``entrypoints/`` still apply). ``auto``: vLLM's on CUDA and ROCm, where the in-tree class runs the release on the GPU; the plugin's everywhere else (vLLM's is GPU-only). The choice is logged. |
 | ``DEEPINFER_USE_NEXTN_DECODE`` | unset | DeepInfer's DSpark draft width ``k``: used where vLLM's ``speculative_config`` leaves ``num_speculative_tokens`` to its default. vLLM 0.32 accepts that only when the config names the draft ``model`` (for DSpark, the checkpoint itself) and then fills in ``dspark_block_size``; with this variable set, the platform uses its value instead (an explicit ``num_speculative_tokens`` equal to ``dspark_block_size`` cannot be told apart and yields too). ``0`` refuses DSpark. |
 | ``DEEPINFER_ATTENTION_KERNELS`` | ``auto`` | kernels of the attention hot path (cache writes, indexer + top-k, sparse attention). ``auto``: our Triton kernels on CUDA devices, the PyTorch reference elsewhere. ``torch``: always the reference. ``triton``: always Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). The choice is logged once. |
 | ``DEEPINFER_BATCH_INVARIANT`` | ``0`` | ``1``: every row of a step is computed independently of the other rows (requests, prefill chunks, decodes) sharing it, so a request's tokens and logprobs are bitwise the same alone and in any batch, in bf16 and fp32 (greedy and seeded sampling). GEMMs run in fixed row tiles (``ops.numerics.matmul``) and sigmoid / SiLU / softplus on the scalar kernel (``ops.numerics.pointwise``); numerics stay those of the spec (last-ulp differences from ``0``). Costs throughput (``benchmarks/README.md``). ``0``: the fastest kernel for each call. |
 | ``DEEPINFER_GRAMMAR_MAX_WHITESPACE`` | ``16`` | longest whitespace run a V4.1 JSON or tool-call grammar allows (xgrammar's ``max_whitespace_cnt``) where vLLM allows whitespace at all (its ``disable_any_whitespace`` off); without a cap a model can fill ``max_tokens`` with blanks. See ``entrypoints/structured_outputs.py``. |
+| ``DEEPINFER_SIMULATED_NPU`` | ``0`` | TEST ONLY, never on by default. ``1``: DeepInfer's Ascend platform, worker and runner run on CPU tensors with the device layer (``platforms/ascend/device.py``) replaced by its ``SimulatedNPU`` stub, so the Ascend path is exercised on hosts without an NPU; vLLM logs the Ascend platform as on a 950. Never set it on a real NPU host. |
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def yoco_settings(sliding_window: int) -> tuple[str, int]:
 
 
 def platform_mode() -> str:
-    return _choice("DEEPINFER_PLATFORM", ("auto", "off"))
+    return _choice("DEEPINFER_PLATFORM", ("auto", "off", "ascend"))
 
 
 ATTENTION_KERNEL_MODES = ("auto", "torch", "triton")
@@ -110,3 +111,8 @@ def model_choice() -> str:
 
 def grammar_max_whitespace() -> int:
     return _int("DEEPINFER_GRAMMAR_MAX_WHITESPACE", 16, minimum=1)
+
+
+def simulated_npu() -> bool:
+    """``DEEPINFER_SIMULATED_NPU`` (test only): ``1`` on, ``0`` (default) off."""
+    return _choice("DEEPINFER_SIMULATED_NPU", ("0", "1")) == "1"

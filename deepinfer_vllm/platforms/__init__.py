@@ -10,6 +10,8 @@ everywhere else so stock vLLM keeps its own platform:
   TPU): None, their platforms handle V4.1 on device;
 * CPU-only hosts running vLLM's CPU build: DeepInfer's CPU platform, a
   ``CpuPlatform`` subclass that changes behaviour only for V4.1 models.
+* Ascend hosts: ``ascend.ascend_platform_plugin`` (an Ascend 950, or the
+  simulated NPU of tests); where it claims the host this plugin never does.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def _vllm_is_cpu_build() -> bool:
 
 def _has_accelerator() -> bool:
     """Cheap device-node probes (no driver calls, no CUDA init)."""
-    probes = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/davinci_manager", "/dev/accel0")
+    probes = (
+        "/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/davinci_manager", "/dev/davinci0", "/dev/accel0",
+    )
     return any(os.path.exists(p) for p in probes)
 
 
@@ -50,5 +54,12 @@ def cpu_platform_plugin() -> str | None:
     if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
         return None
     if not _vllm_is_cpu_build() or _has_accelerator():
+        return None
+    from deepinfer_vllm.platforms.ascend import ascend_platform_plugin, vllm_ascend_claims
+
+    if vllm_ascend_claims() or ascend_platform_plugin() is not None:
+        # vllm-ascend (it claims every host it is installed on) or DeepInfer's
+        # Ascend platform (an NPU without device nodes, or DEEPINFER_SIMULATED_NPU=1)
+        # runs this host: vLLM activates one out-of-tree platform.
         return None
     return CPU_PLATFORM

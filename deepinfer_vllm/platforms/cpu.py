@@ -66,32 +66,12 @@ class DeepInferCpuPlatform(CpuPlatform):
         if not is_v41(model_config):
             super().check_and_update_config(vllm_config)
             return
-        cache_config = vllm_config.cache_config
-        scheduler_config = vllm_config.scheduler_config
+        settings = configure_v41(
+            vllm_config, lambda: super(DeepInferCpuPlatform, cls).check_and_update_config(vllm_config),
+            V41_WORKER, STOCK_WORKERS,
+        )
+        block_size, chunked, prefix, dspark = settings
         parallel_config = vllm_config.parallel_config
-        worker_cls = parallel_config.worker_cls
-        user_block_size = cache_config.block_size if cache_config.user_specified_block_size else None
-        chunked = scheduler_config.enable_chunked_prefill
-        prefix = cache_config.enable_prefix_caching
-        max_batched = scheduler_config.max_num_batched_tokens
-        from deepinfer_vllm.configs import V41Arch
-
-        arch = V41Arch.from_config(model_config.hf_config)
-        _check_parallel(arch, parallel_config)
-        checkpoint_names = _validate_checkpoint(arch, model_config)
-        super().check_and_update_config(vllm_config)
-        block_size = user_block_size or V41_DEFAULT_BLOCK_SIZE
-        if block_size % 2:
-            raise ValueError(f"V4.1 needs an even --block-size (ratio-2 caches); got {block_size}")
-        cache_config.block_size = block_size
-        if worker_cls in STOCK_WORKERS:
-            parallel_config.worker_cls = V41_WORKER
-        scheduler_config.enable_chunked_prefill = chunked
-        cache_config.enable_prefix_caching = prefix
-        scheduler_config.max_num_batched_tokens = max_batched
-        dspark = None
-        if vllm_config.speculative_config is not None:
-            dspark = _configure_dspark(vllm_config, arch, checkpoint_names)
         logger.info(
             "DeepInfer V4.1 on CPU: block_size=%d, chunked_prefill=%s, prefix_caching=%s, "
             "tensor_parallel=%d, data_parallel=%d, expert_parallel=%s, dspark=%s",
@@ -113,6 +93,42 @@ class DeepInferCpuPlatform(CpuPlatform):
                 "workers' 'expand_kernel is already registered. Overwriting.' is this platform's "
                 "fix of vLLM's rejection-sampler fallback (see deepinfer_vllm/platforms/cpu.py)."
             )
+
+
+def configure_v41(vllm_config, device_update, worker: str, stock_workers: tuple[str, ...]):
+    """The V4.1 decisions every DeepInfer platform makes, around its device's own update
+    (``device_update``, e.g. the stock platform's ``check_and_update_config``): parallel and
+    checkpoint checks in the user's process, 64-token blocks (or the user's even size),
+    chunked prefill, prefix caching and the batch budget as the user asked (the device
+    update may have changed them), ``worker`` where vLLM's stock one was chosen, DSpark.
+    Returns ``(block_size, chunked_prefill, prefix_caching, dspark settings or None)``."""
+    from deepinfer_vllm.configs import V41Arch
+
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    scheduler_config = vllm_config.scheduler_config
+    parallel_config = vllm_config.parallel_config
+    worker_cls = parallel_config.worker_cls
+    user_block_size = cache_config.block_size if cache_config.user_specified_block_size else None
+    chunked = scheduler_config.enable_chunked_prefill
+    prefix = cache_config.enable_prefix_caching
+    max_batched = scheduler_config.max_num_batched_tokens
+    arch = V41Arch.from_config(model_config.hf_config)
+    _check_parallel(arch, parallel_config)
+    checkpoint_names = _validate_checkpoint(arch, model_config)
+    device_update()
+    block_size = user_block_size or V41_DEFAULT_BLOCK_SIZE
+    if block_size % 2:
+        raise ValueError(f"V4.1 needs an even --block-size (ratio-2 caches); got {block_size}")
+    cache_config.block_size = block_size
+    parallel_config.worker_cls = worker if worker_cls in stock_workers else worker_cls
+    scheduler_config.enable_chunked_prefill = chunked
+    cache_config.enable_prefix_caching = prefix
+    scheduler_config.max_num_batched_tokens = max_batched
+    dspark = None
+    if vllm_config.speculative_config is not None:
+        dspark = _configure_dspark(vllm_config, arch, checkpoint_names)
+    return block_size, chunked, prefix, dspark
 
 
 def expand_batch_values(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:

@@ -1,0 +1,292 @@
+"""The Ascend device layer: every call DeepInfer makes to an NPU, in one module.
+
+Everything else of the Ascend platform (config decisions, worker, runner,
+DSpark) is shared with the paths that run here; only this module touches
+``torch_npu``. Two implementations share one interface:
+
+* :class:`TorchNPU`: the real device, through ``torch_npu`` (imported on first
+  use, so detection on a host without it costs one ``find_spec``);
+* :class:`SimulatedNPU`: a stand-in for tests (``DEEPINFER_SIMULATED_NPU=1``):
+  it reports one Ascend 950, keeps tensors on the host (device type ``cpu``,
+  gloo for collectives), measures host memory, and makes streams, events and
+  synchronisation no-ops. Never on by default.
+
+:func:`get` returns the implementation of this process. Tests inject a stub
+``torch_npu`` module into ``sys.modules`` to drive :class:`TorchNPU`.
+
+Covered: SoC name, device count, set_device, synchronize, streams and events,
+memory queries (free/total, peak, empty_cache), the distributed backend name
+(HCCL) and process-group creation, and the environment an Ascend process needs
+(design §8: visible devices, allocator settings). Graph capture is not used yet
+(V4.1 runs eager on Ascend for now).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from functools import lru_cache
+
+logger = logging.getLogger(__name__)
+
+# SoC names of the chips DeepInfer targets (``torch_npu.npu.get_device_name``
+# returns e.g. "Ascend910B3", "Ascend950PR"); compared by prefix.
+ASCEND_950_PREFIX = "Ascend950"
+SIMULATED_SOC = "Ascend950PR (simulated)"
+
+
+def is_ascend_950(soc_name: str | None) -> bool:
+    return bool(soc_name) and soc_name.replace(" ", "").startswith(ASCEND_950_PREFIX)
+
+
+def torch_npu_installed() -> bool:
+    """``torch_npu`` importable (a module in ``sys.modules`` counts: tests stub it)."""
+    import sys
+
+    if "torch_npu" in sys.modules:
+        return sys.modules["torch_npu"] is not None
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class _NullStream:
+    """A stream whose work is already done (host execution)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.device = None
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_event(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NullEvent()
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+class TorchNPU:
+    """The real NPU through ``torch_npu`` (CANN). Never exercised on this project's CI."""
+
+    simulated = False
+    device_type = "npu"
+    dispatch_key = "PrivateUse1"
+    dist_backend = "hccl"
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+
+    @property
+    def _npu(self):
+        import torch_npu  # noqa: F401  (registers torch.npu and the PrivateUse1 backend)
+
+        return torch_npu.npu
+
+    def load(self) -> None:
+        """Import ``torch_npu`` (registers the ``npu`` device and its ops with torch)."""
+        self._npu  # noqa: B018
+
+    # ------------------------------------------------------------ queries
+    def is_available(self) -> bool:
+        try:
+            return bool(self._npu.is_available())
+        except Exception:  # driver missing, CANN not sourced
+            logger.debug("torch_npu.npu.is_available() failed", exc_info=True)
+            return False
+
+    def device_count(self) -> int:
+        try:
+            return int(self._npu.device_count())
+        except Exception:
+            logger.debug("torch_npu.npu.device_count() failed", exc_info=True)
+            return 0
+
+    def soc_name(self, device_id: int = 0) -> str | None:
+        try:
+            return str(self._npu.get_device_name(device_id))
+        except Exception:
+            logger.debug("torch_npu.npu.get_device_name(%d) failed", device_id, exc_info=True)
+            return None
+
+    def total_memory(self, device_id: int = 0) -> int:
+        return int(self._npu.get_device_properties(device_id).total_memory)
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        free, total = self._npu.mem_get_info(device)
+        return int(free), int(total)
+
+    def memory_allocated(self, device=None) -> int:
+        return int(self._npu.memory_allocated(device))
+
+    def max_memory_allocated(self, device=None) -> int:
+        return int(self._npu.max_memory_allocated(device))
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self._npu.reset_peak_memory_stats(device)
+
+    def empty_cache(self) -> None:
+        self._npu.empty_cache()
+
+    # ------------------------------------------------------------ control
+    def torch_device(self, local_rank: int):
+        import torch
+
+        return torch.device(self.device_type, local_rank)
+
+    def set_device(self, device) -> None:
+        self._npu.set_device(device)
+
+    def synchronize(self, device=None) -> None:
+        self._npu.synchronize(device)
+
+    def manual_seed_all(self, seed: int) -> None:
+        self._npu.manual_seed_all(seed)
+
+    def Stream(self, *args, **kwargs):  # noqa: N802 (mirrors torch.cuda.Stream)
+        return self._npu.Stream(*args, **kwargs)
+
+    def Event(self, *args, **kwargs):  # noqa: N802
+        return self._npu.Event(*args, **kwargs)
+
+    def current_stream(self, device=None):
+        return self._npu.current_stream(device)
+
+    def stream(self, stream):
+        return self._npu.stream(stream)
+
+    def new_group(self, ranks, **kwargs):
+        """A process group over ``ranks`` on HCCL."""
+        import torch.distributed as dist
+
+        return dist.new_group(ranks, backend=self.dist_backend, **kwargs)
+
+    def process_env(self) -> dict[str, str]:
+        """Variables an Ascend process sets before touching the device (design §8),
+        each only where the user left it unset."""
+        return {
+            "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+            "HCCL_BUFFSIZE": "16",
+            "HCCL_CONNECT_TIMEOUT": "240",
+            "HCCL_EXEC_TIMEOUT": "200",
+        }
+
+
+class SimulatedNPU(TorchNPU):
+    """Test stand-in for ``torch_npu``: one Ascend 950 whose memory is the host's.
+
+    Tensors stay on the CPU; collectives run on gloo; streams, events and
+    synchronisation are no-ops (host execution is synchronous)."""
+
+    simulated = True
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+
+    def load(self) -> None:
+        pass
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def soc_name(self, device_id: int = 0) -> str:
+        return SIMULATED_SOC
+
+    def total_memory(self, device_id: int = 0) -> int:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+
+    def memory_allocated(self, device=None) -> int:
+        import psutil
+
+        return int(psutil.Process(os.getpid()).memory_info().rss)
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.memory_allocated(device)
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def torch_device(self, local_rank: int):
+        import torch
+
+        return torch.device("cpu")
+
+    def set_device(self, device) -> None:
+        pass
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass  # torch.manual_seed covers the host generator
+
+    def Stream(self, *args, **kwargs):  # noqa: N802
+        return _NullStream()
+
+    def Event(self, *args, **kwargs):  # noqa: N802
+        return _NullEvent()
+
+    def current_stream(self, device=None):
+        return _NullStream()
+
+    def stream(self, stream):
+        return contextlib.nullcontext(stream)
+
+    def process_env(self) -> dict[str, str]:
+        return {}
+
+
+@lru_cache(maxsize=1)
+def _get(simulated: bool) -> TorchNPU:
+    return SimulatedNPU() if simulated else TorchNPU()
+
+
+def get() -> TorchNPU:
+    """This process's device layer (:class:`SimulatedNPU` under ``DEEPINFER_SIMULATED_NPU=1``)."""
+    from deepinfer_vllm import envs
+
+    return _get(envs.simulated_npu())
+
+
+def apply_process_env() -> None:
+    """Set the device layer's process variables the user left unset."""
+    for key, value in get().process_env().items():
+        os.environ.setdefault(key, value)

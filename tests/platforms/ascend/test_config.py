@@ -1,0 +1,188 @@
+"""Config decisions of DeepInfer's Ascend platform, on real vLLM configs of the tiny V4.1 checkpoint.
+
+The configs are built in this process (whose platform is DeepInfer's CPU one)
+and then handed to ``DeepInferAscendPlatform.check_and_update_config`` with
+the fields the CPU platform decided put back to what the user asked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from deepinfer_vllm.platforms.ascend import device as npu
+from deepinfer_vllm.platforms.ascend.platform import V41_NPU_WORKER, DeepInferAscendPlatform
+from deepinfer_vllm.platforms.cpu import V41_BACKEND
+
+PROCESS_ENV = (
+    "PYTORCH_NPU_ALLOC_CONF",
+    "HCCL_BUFFSIZE",
+    "HCCL_CONNECT_TIMEOUT",
+    "HCCL_EXEC_TIMEOUT",
+    "VLLM_WORKER_MULTIPROC_METHOD",
+    "NUMEXPR_MAX_THREADS",
+    "TORCHINDUCTOR_COMPILE_THREADS",
+)
+
+
+@pytest.fixture
+def npu_host(host, clean_env):
+    host(soc="Ascend950PR")
+    for name in PROCESS_ENV:
+        clean_env.delenv(name, raising=False)
+    return clean_env
+
+
+def _config(tiny_checkpoint, **user):
+    """A V4.1 engine config as the user asked it (``block_size`` as given, worker ``auto``)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import deepinfer_vllm
+
+    deepinfer_vllm.register()
+    # Built without the stub: transformers probes for torch_npu while it loads.
+    stub, sys.modules["torch_npu"] = sys.modules.get("torch_npu"), None
+    try:
+        cfg = EngineArgs(model=tiny_checkpoint, dtype="float32", max_model_len=512, **user).create_engine_config()
+    finally:
+        sys.modules["torch_npu"] = stub
+    cfg.parallel_config.worker_cls = "auto"
+    if "block_size" in user:
+        cfg.cache_config.block_size = user["block_size"]
+        cfg.cache_config.user_specified_block_size = True
+    else:
+        cfg.cache_config.user_specified_block_size = False
+    return cfg
+
+
+def test_device_attributes():
+    p = DeepInferAscendPlatform
+    assert (p.device_name, p.device_type, p.dispatch_key, p.dist_backend) == ("npu", "npu", "PrivateUse1", "hccl")
+    assert p.device_control_env_var == "ASCEND_RT_VISIBLE_DEVICES" and p.ray_device_key == "NPU"
+    assert p().is_out_of_tree() and not p().is_cpu()
+    assert p.support_hybrid_kv_cache() and not p.support_static_graph_mode()
+
+
+def test_simulated_attributes_in_a_fresh_process():
+    code = (
+        "from deepinfer_vllm.platforms.ascend.platform import DeepInferAscendPlatform as P\n"
+        "p = P()\n"
+        "print(P.device_name, P.device_type, P.dispatch_key, P.dist_backend, p.is_cpu(), P.get_device_name(),\n"
+        "      P.get_device_communicator_cls().rsplit('.', 1)[1], P.is_pin_memory_available())\n"
+    )
+    env = dict(os.environ, DEEPINFER_SIMULATED_NPU="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [
+        "cpu", "cpu", "CPU", "gloo", "True", "Ascend950PR", "(simulated)", "CpuCommunicator", "False"
+    ]
+
+
+def test_memory_and_name_come_from_the_device_layer(npu_host):
+    assert DeepInferAscendPlatform.get_device_name() == "Ascend950PR"
+    assert DeepInferAscendPlatform.get_device_total_memory(0) == 128 << 30
+    assert DeepInferAscendPlatform.get_current_memory_usage() == 2 << 20
+
+
+def test_attention_route():
+    sparse = SimpleNamespace(use_sparse=True, use_mla=True)
+    assert DeepInferAscendPlatform.get_attn_backend_cls(None, sparse) == V41_BACKEND
+    with pytest.raises(NotImplementedError, match="vllm-ascend"):
+        DeepInferAscendPlatform.get_attn_backend_cls(None, SimpleNamespace(use_sparse=False, use_mla=False))
+
+
+def test_other_models_are_refused_by_name():
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(
+            model="m", hf_config=SimpleNamespace(model_type="llama", architectures=["LlamaForCausalLM"])
+        )
+    )
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*vllm-ascend"):
+        DeepInferAscendPlatform.check_and_update_config(cfg)
+
+
+def test_v41_defaults_on_an_npu(npu_host, tiny_checkpoint):
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    npu_host.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:False")  # the user's own value stays
+    cfg = _config(tiny_checkpoint)
+    DeepInferAscendPlatform.check_and_update_config(cfg)
+    assert cfg.cache_config.block_size == 64
+    assert cfg.scheduler_config.enable_chunked_prefill is True
+    assert cfg.cache_config.enable_prefix_caching is True
+    assert cfg.parallel_config.worker_cls == V41_NPU_WORKER
+    assert cfg.compilation_config.mode == CompilationMode.NONE
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert cfg.compilation_config.cudagraph_capture_sizes == []
+    assert cfg.scheduler_config.async_scheduling is False
+    assert cfg.parallel_config.disable_custom_all_reduce is True
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert os.environ["HCCL_BUFFSIZE"] == "16"
+    assert (os.environ["HCCL_CONNECT_TIMEOUT"], os.environ["HCCL_EXEC_TIMEOUT"]) == ("240", "200")
+    assert os.environ["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:False"
+
+
+def test_user_settings_are_kept(npu_host, tiny_checkpoint):
+    cfg = _config(tiny_checkpoint, block_size=128, enable_chunked_prefill=False, enable_prefix_caching=False,
+                  max_num_batched_tokens=512)
+    DeepInferAscendPlatform.check_and_update_config(cfg)
+    assert cfg.cache_config.block_size == 128
+    assert cfg.scheduler_config.enable_chunked_prefill is False
+    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.scheduler_config.max_num_batched_tokens == 512
+
+
+def test_custom_worker_is_kept(npu_host, tiny_checkpoint):
+    cfg = _config(tiny_checkpoint)
+    cfg.parallel_config.worker_cls = "my.pkg.Worker"
+    DeepInferAscendPlatform.check_and_update_config(cfg)
+    assert cfg.parallel_config.worker_cls == "my.pkg.Worker"
+
+
+def test_odd_block_size_is_refused(npu_host, tiny_checkpoint):
+    cfg = _config(tiny_checkpoint)
+    cfg.cache_config.block_size = 33
+    cfg.cache_config.user_specified_block_size = True
+    with pytest.raises(ValueError, match="even --block-size"):
+        DeepInferAscendPlatform.check_and_update_config(cfg)
+
+
+def test_simulated_npu_uses_the_host_profile(npu_host, tiny_checkpoint):
+    npu_host.setenv("DEEPINFER_SIMULATED_NPU", "1")
+    npu_host.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = _config(tiny_checkpoint)
+    DeepInferAscendPlatform.check_and_update_config(cfg)
+    assert cfg.cache_config.kv_cache_memory_bytes == 1 << 30  # the CPU platform's KV-space rule
+    assert cfg.cache_config.block_size == 64  # not the CPU platform's 256 for DeepSeek-V4
+    assert cfg.scheduler_config.enable_chunked_prefill and cfg.cache_config.enable_prefix_caching
+    assert cfg.parallel_config.worker_cls == V41_NPU_WORKER
+    assert "HCCL_BUFFSIZE" not in os.environ  # no device process variables on the host
+
+
+def test_worker_refuses_a_real_npu(npu_host):
+    from deepinfer_vllm.platforms.ascend.worker import DeepInferNPUWorker
+
+    assert not npu.get().simulated
+    with pytest.raises(NotImplementedError, match="simulated NPU"):
+        DeepInferNPUWorker(None, 0, 0, "")
+
+
+def test_runner_reuses_the_cpu_runner_and_syncs_through_the_layer(npu_host):
+    from deepinfer_vllm.platforms.ascend.worker import DeepInferNPUModelRunner
+    from deepinfer_vllm.platforms.cpu_worker import DeepInferCPUModelRunner
+
+    assert issubclass(DeepInferNPUModelRunner, DeepInferCPUModelRunner)
+    stub = sys.modules["torch_npu"]
+    DeepInferNPUModelRunner._sync_device(object.__new__(DeepInferNPUModelRunner))
+    assert [name for name, _ in stub.calls] == ["synchronize"]
+
+
+def test_vllm_class_choice_is_refused_by_name(npu_host, tiny_checkpoint):
+    cfg = _config(tiny_checkpoint)
+    npu_host.setenv("DEEPINFER_MODEL", "vllm")
+    with pytest.raises(ValueError, match="DEEPINFER_MODEL=vllm"):
+        DeepInferAscendPlatform.check_and_update_config(cfg)

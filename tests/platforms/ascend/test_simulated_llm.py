@@ -1,0 +1,95 @@
+"""The whole engine on the simulated NPU (``DEEPINFER_SIMULATED_NPU=1``) reproduces the reference.
+
+vLLM resolves its platform once per process, so the engine runs in a fresh
+process: ``vllm.LLM`` on DeepInfer's Ascend platform, worker and runner with
+the device layer stubbed, chunked prefill (32-token chunks), a KV budget small
+enough to preempt, and a prefix-cache hit on a repeated prompt. Its greedy
+tokens must equal the reference's (as on the CPU platform, see
+tests/e2e/test_llm_chunked_preemption.py), and its log must name the Ascend
+platform as on a real 950.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    if __name__ == "__main__":
+        from vllm import LLM, SamplingParams
+        from vllm.platforms import current_platform
+        model, prompts, extra = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+        settings = dict(max_num_batched_tokens=32, num_gpu_blocks_override=24)
+        settings.update(extra)
+        llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enable_chunked_prefill=True,
+                  enable_prefix_caching=True, disable_log_stats=False, **settings)
+        def metric(name):
+            return sum(m.value for m in llm.get_metrics() if m.name == name)
+        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        preempt0 = metric("vllm:num_preemptions")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        batched = [list(o.outputs[0].token_ids) for o in outs]
+        preempted = metric("vllm:num_preemptions") - preempt0
+        hits0 = metric("vllm:prefix_cache_hits")
+        again = list(llm.generate([{"prompt_token_ids": prompts[2]}], greedy)[0].outputs[0].token_ids)
+        hits = metric("vllm:prefix_cache_hits") - hits0
+        cfg = llm.llm_engine.vllm_config
+        print("RESULT " + json.dumps({
+            "platform": type(current_platform).__name__,
+            "device": current_platform.get_device_name(),
+            "worker_cls": cfg.parallel_config.worker_cls,
+            "block_size": cfg.cache_config.block_size,
+            "batched": batched, "again": again, "preemptions": preempted, "prefix_hits": hits,
+            "drafts": metric("vllm:spec_decode_num_drafts"),
+        }))
+    """
+)
+
+
+def _run(checkpoint, prompts, tmp_path, **extra) -> tuple[dict, str]:
+    script = tmp_path / "run_simulated_npu.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, DEEPINFER_SIMULATED_NPU="1", VLLM_CPU_KVCACHE_SPACE="1")
+    for name in ("DEEPINFER_PLATFORM", "VLLM_TARGET_DEVICE", "VLLM_PLUGINS"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, str(script), checkpoint, json.dumps(prompts), json.dumps(extra)],
+        env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["platform"] == "DeepInferAscendPlatform"
+    assert result["device"] == "Ascend950PR (simulated)"
+    assert result["worker_cls"] == "deepinfer_vllm.platforms.ascend.worker.DeepInferNPUWorker"
+    assert result["block_size"] == 64
+    assert "DeepInfer's Ascend platform runs on Ascend950PR (simulated)" in log
+    return result, log
+
+
+def test_simulated_npu_engine_matches_reference(tiny_checkpoint, acceptance_prompts, reference_greedy, tmp_path):
+    result, log = _run(tiny_checkpoint, acceptance_prompts, tmp_path)
+    assert result["batched"] == reference_greedy
+    assert result["again"] == reference_greedy[2]
+    assert result["preemptions"] > 0, "the KV budget did not force a preemption"
+    assert result["prefix_hits"] > 0, "the repeated prompt did not hit the prefix cache"
+    assert "DeepInfer V4.1 on Ascend (Ascend950PR (simulated), simulated on CPU tensors)" in log
+    assert "dspark=off" in log
+
+
+def test_simulated_npu_dspark_is_lossless(tiny_dspark_checkpoint, acceptance_prompts, reference_greedy, tmp_path):
+    """DSpark (k=3, adaptive verification) driven by the NPU runner as on CPU: the target's tokens."""
+    result, log = _run(
+        tiny_dspark_checkpoint, acceptance_prompts, tmp_path,
+        max_num_batched_tokens=64, num_gpu_blocks_override=64,
+        speculative_config={"method": "dspark", "num_speculative_tokens": 3, "enable_adaptive_verification": True},
+    )
+    assert result["batched"] == reference_greedy
+    assert result["again"] == reference_greedy[2]
+    assert result["drafts"] > 0, "nothing was drafted"
+    assert "dspark=k=3 adaptive=True" in log
