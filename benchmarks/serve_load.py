@@ -33,7 +33,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,8 +70,13 @@ def workload(n: int, seed: int) -> list[Spec]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, spec: Spec) -> Outcome:
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     try:
         if spec.mode == "plain":
@@ -139,8 +143,21 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve(model_dir: str, dtype: str, log_path: Path):
     port = free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model_dir, "--served-model-name", "bench",
-           "--dtype", dtype, "--max-model-len", "2048", "--seed", "0", "--port", str(port)]
+    cmd = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        model_dir,
+        "--served-model-name",
+        "bench",
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "2048",
+        "--seed",
+        "0",
+        "--port",
+        str(port),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -166,7 +183,9 @@ def serve(model_dir: str, dtype: str, log_path: Path):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="checkpoint directory (default: tiny preset in a temp dir)")
     parser.add_argument("--url", help="an already running server (its served model name via --served-name)")
     parser.add_argument("--served-name", default="bench")
@@ -191,8 +210,10 @@ def main() -> None:
             url = stack.enter_context(serve(model, args.dtype, log_path))
         started = "" if args.url else f" (started here: {args.model or 'tiny preset'}, {args.dtype})"
         print(f"server {url}{started}; {args.requests} requests per level")
-        print("| clients | completed | failed | disconnected | output tok/s | vs 1 client | latency p50 / p95 s "
-              "| TTFT p50 / p95 s | wall s |")
+        print(
+            "| clients | completed | failed | disconnected | output tok/s | vs 1 client "
+            "| latency p50 / p95 s | TTFT p50 / p95 s | wall s |"
+        )
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         baseline = None
         failures: list[str] = []
@@ -206,13 +227,20 @@ def main() -> None:
             baseline = baseline or rate
             latencies = [o.latency for o in done]
             ttfts = [o.ttft for o in outcomes if o.ttft is not None]
-            print(f"| {concurrency} | {len(done)} | {len(failed)} | {len(outcomes) - len(done) - len(failed)} "
-                  f"| {rate:.1f} | {rate / baseline:.2f}x | {percentile(latencies, 0.5):.2f} / "
-                  f"{percentile(latencies, 0.95):.2f} | {percentile(ttfts, 0.5):.2f} / {percentile(ttfts, 0.95):.2f} "
-                  f"| {wall:.1f} |", flush=True)
+            print(
+                f"| {concurrency} | {len(done)} | {len(failed)} "
+                f"| {len(outcomes) - len(done) - len(failed)} "
+                f"| {rate:.1f} | {rate / baseline:.2f}x | {percentile(latencies, 0.5):.2f} / "
+                f"{percentile(latencies, 0.95):.2f} | {percentile(ttfts, 0.5):.2f} / "
+                f"{percentile(ttfts, 0.95):.2f} | {wall:.1f} |",
+                flush=True,
+            )
         health = httpx.get(f"{url}/health", timeout=30).status_code
-        probe = httpx.post(f"{url}/v1/completions", timeout=300, json={
-            "model": args.served_name, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).status_code
+        probe = httpx.post(
+            f"{url}/v1/completions",
+            timeout=300,
+            json={"model": args.served_name, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
+        ).status_code
         print(f"after the load: /health {health}, a new request {probe}")
         for error in failures[:10]:
             print(f"failure: {error}")

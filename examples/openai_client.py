@@ -46,7 +46,9 @@ PERSON_SCHEMA = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -64,18 +66,27 @@ def main() -> None:
     print(f"chat: {chat.choices[0].message.content!r}")
 
     thinking = client.chat.completions.create(
-        model=args.model, messages=messages, max_tokens=args.max_tokens, extra_body={"thinking_token_budget": 16}
+        model=args.model,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        extra_body={"thinking_token_budget": 16},
     )
     message = thinking.choices[0].message
     print(f"reasoning: {getattr(message, 'reasoning', None)!r}")
     print(f"answer: {message.content!r}")
 
     call = client.chat.completions.create(
-        model=args.model, messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
-        parallel_tool_calls=False, max_tokens=512, extra_body=no_thinking,
+        model=args.model,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=512,
+        extra_body=no_thinking,
     )
     tool_call = call.choices[0].message.tool_calls[0]
-    print(f"tool call ({call.choices[0].finish_reason}): {tool_call.function.name} {tool_call.function.arguments}")
+    function = tool_call.function
+    print(f"tool call ({call.choices[0].finish_reason}): {function.name} {function.arguments}")
 
     person = client.chat.completions.create(
         model=args.model,
@@ -84,7 +95,8 @@ def main() -> None:
         max_tokens=512,
         extra_body=no_thinking,
     )
-    print(f"json ({person.choices[0].finish_reason}): {json.dumps(json.loads(person.choices[0].message.content))}")
+    answer = json.loads(person.choices[0].message.content)
+    print(f"json ({person.choices[0].finish_reason}): {json.dumps(answer)}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-
 TOOL_PARSER = ("deepseek_v41", "deepinfer_vllm.entrypoints.tool_parser", "DeepSeekV41ToolParser")
 
 

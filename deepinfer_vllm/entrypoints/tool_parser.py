@@ -53,7 +53,9 @@ class DeepSeekV41ToolParser(DeepSeekV41EngineToolParser):
     docstring)."""
 
     def get_structural_tag(self, request, *, reasoning: bool = False, strict_level=ToolStrictLevel.AUTO):
-        pinned = request.tools and forces_call(request.tool_choice) and strict_level < ToolStrictLevel.PARAMETER
+        pinned = (
+            request.tools and forces_call(request.tool_choice) and strict_level < ToolStrictLevel.PARAMETER
+        )
         if pinned:
             request = request.model_copy(update={"tools": [_strict_by_default(t) for t in request.tools]})
         tag = super().get_structural_tag(request, reasoning=reasoning, strict_level=strict_level)
@@ -92,8 +94,6 @@ def _check_compiles(tag: Any, tools: list) -> None:
         detail = "; ".join(refused) if refused else str(tag_error).splitlines()[0][:200]
         raise VLLMValidationError(
             "tool_choice forces a call, so the tool's parameters schema is enforced, and xgrammar "
-            f"cannot compile it: {detail}. Fix the schema, or mark the tool \"strict\": false "
+            f'cannot compile it: {detail}. Fix the schema, or mark the tool "strict": false '
             "to leave its arguments unconstrained."
         ) from tag_error
-
-

@@ -30,7 +30,9 @@ def _greedy() -> SamplingParams:
 
 
 def _seeded(i: int) -> SamplingParams:
-    return SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1000 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=50, seed=1000 + i, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
 
 
 def _result(out) -> tuple[list[int], list[dict[int, float]] | None]:

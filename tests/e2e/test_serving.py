@@ -24,57 +24,122 @@ from server_process import openai_server
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_client.py"
 SERVER_ARGS = [
-    "--served-model-name", "tiny", "--max-model-len", "2048", "--seed", "0",
-    "--reasoning-parser", "deepseek_v41", "--tool-call-parser", "deepseek_v41", "--enable-auto-tool-choice",
+    "--served-model-name",
+    "tiny",
+    "--max-model-len",
+    "2048",
+    "--seed",
+    "0",
+    "--reasoning-parser",
+    "deepseek_v41",
+    "--tool-call-parser",
+    "deepseek_v41",
+    "--enable-auto-tool-choice",
 ]
 ROOM = 512  # max_tokens: a constrained answer of these schemas is far shorter
+# Parallel calls: after each call the grammar lets the model end the list or call again, about
+# evenly on random weights, so the number of calls is geometric; this room makes a cut-off
+# (about 15 calls) unlikely beyond 1e-4 per request.
+CALLS_ROOM = 1400
 THINK_BUDGET = 12
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Weather in a city for the next days",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 24},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            "unit": {"type": "string", "enum": ["c", "f"]}},
-            "required": ["city", "days"]}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "Add two numbers",
-        "parameters": {"type": "object", "properties": {
-            "a": {"type": "number", "minimum": -100, "maximum": 100},
-            "b": {"type": "number", "minimum": -100, "maximum": 100}},
-            "required": ["a", "b"]}}},
-    {"type": "function", "function": {
-        "name": "search", "description": "Search the web",
-        "parameters": {"type": "object", "properties": {
-            "query": {"type": "string", "maxLength": 20},
-            "limit": {"type": "integer", "minimum": 1, "maximum": 10},
-            "safe": {"type": "boolean"}},
-            "required": ["query", "safe"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city for the next days",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 24},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "unit": {"type": "string", "enum": ["c", "f"]},
+                },
+                "required": ["city", "days"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "number", "minimum": -100, "maximum": 100},
+                    "b": {"type": "number", "minimum": -100, "maximum": 100},
+                },
+                "required": ["a", "b"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string", "maxLength": 20},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 10},
+                    "safe": {"type": "boolean"},
+                },
+                "required": ["query", "safe"],
+            },
+        },
+    },
 ]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 
 JSON_SCHEMAS = [
-    {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "ok": {"type": "boolean"}},
-     "required": ["name", "age", "tags", "ok"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "city": {"type": "string", "minLength": 2, "maxLength": 12},
-        "temperature": {"type": "number", "minimum": -50, "maximum": 60},
-        "kind": {"type": "string", "enum": ["sunny", "rain", "snow"]},
-        "hourly": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                   "minItems": 1, "maxItems": 4}},
-     "required": ["city", "temperature", "kind", "hourly"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "title": {"type": "string", "maxLength": 10},
-        "author": {"type": "object", "properties": {
-            "first": {"type": "string", "maxLength": 6}, "born": {"type": "integer", "minimum": 1900, "maximum": 2026}},
-            "required": ["first", "born"], "additionalProperties": False},
-        "pages": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 999}, {"type": "null"}]}},
-     "required": ["title", "author", "pages"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "age", "tags", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 2, "maxLength": 12},
+            "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+            "kind": {"type": "string", "enum": ["sunny", "rain", "snow"]},
+            "hourly": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+        },
+        "required": ["city", "temperature", "kind", "hourly"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 10},
+            "author": {
+                "type": "object",
+                "properties": {
+                    "first": {"type": "string", "maxLength": 6},
+                    "born": {"type": "integer", "minimum": 1900, "maximum": 2026},
+                },
+                "required": ["first", "born"],
+                "additionalProperties": False,
+            },
+            "pages": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 999}, {"type": "null"}]},
+        },
+        "required": ["title", "author", "pages"],
+        "additionalProperties": False,
+    },
 ]
 
 
@@ -120,8 +185,13 @@ def _tool_request(client, choice, thinking: bool, stream: bool, seed: int):
     named = isinstance(choice, str) and choice != "required"
     tool_choice = {"type": "function", "function": {"name": choice}} if named else choice
     kwargs = dict(
-        model="tiny", messages=[{"role": "user", "content": "Plan a trip: weather, sums and a search."}],
-        tools=TOOLS, tool_choice=tool_choice, max_tokens=ROOM, temperature=1.0, seed=seed,
+        model="tiny",
+        messages=[{"role": "user", "content": "Plan a trip: weather, sums and a search."}],
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=CALLS_ROOM,
+        temperature=1.0,
+        seed=seed,
         extra_body=_thinking(thinking),
     )
     if seed % 2:
@@ -131,13 +201,29 @@ def _tool_request(client, choice, thinking: bool, stream: bool, seed: int):
     response = client.chat.completions.create(**kwargs)
     message = response.choices[0].message
     calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
-    return response.choices[0].finish_reason, getattr(message, "reasoning", None) or "", message.content or "", calls
+    return (
+        response.choices[0].finish_reason,
+        getattr(message, "reasoning", None) or "",
+        message.content or "",
+        calls,
+    )
 
 
 def test_openai_client_example_runs_against_the_server(server):
     run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--base-url", f"{server[0]}/v1", "--model", "tiny", "--max-tokens", "16"],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--base-url",
+            f"{server[0]}/v1",
+            "--model",
+            "tiny",
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout
@@ -145,9 +231,17 @@ def test_openai_client_example_runs_against_the_server(server):
     assert re.search(r"^reasoning: '.+'$", out, flags=re.M), out  # thinking answer: reasoning apart
     call = re.search(r"^tool call \(tool_calls\): get_weather (\{.*\})$", out, flags=re.M)
     assert call, out
-    jsonschema.validate(json.loads(call[1]), SCHEMAS["get_weather"] | {"properties": {
-        "city": {"type": "string", "maxLength": 32}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]})
+    jsonschema.validate(
+        json.loads(call[1]),
+        SCHEMAS["get_weather"]
+        | {
+            "properties": {
+                "city": {"type": "string", "maxLength": 32},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    )
     person = re.search(r"^json \(stop\): (\{.*\})$", out, flags=re.M)
     assert person, out
     assert set(json.loads(person[1])) == {"name", "age"}
@@ -155,8 +249,12 @@ def test_openai_client_example_runs_against_the_server(server):
 
 @pytest.mark.parametrize("thinking", [False, True], ids=["no_thinking", "thinking"])
 def test_forced_tool_calls_follow_the_tool_schemas(client, thinking):
-    cases = [(choice, stream, seed) for choice in ("required", "add", "search")
-             for stream in (False, True) for seed in range(4 if choice == "required" else 2)]
+    cases = [
+        (choice, stream, seed)
+        for choice in ("required", "add", "search")
+        for stream in (False, True)
+        for seed in range(4 if choice == "required" else 2)
+    ]
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda c: _tool_request(client, c[0], thinking, c[1], c[2]), cases))
     for (choice, stream, seed), (finish, reasoning, content, calls) in zip(cases, results):
@@ -174,12 +272,18 @@ def test_forced_tool_calls_follow_the_tool_schemas(client, thinking):
 
 def _json_request(client, schema, thinking: bool, stream: bool, seed: int):
     response_format = (
-        {"type": "json_object"} if schema is None
+        {"type": "json_object"}
+        if schema is None
         else {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     )
     kwargs = dict(
-        model="tiny", messages=[{"role": "user", "content": "Answer in JSON."}], response_format=response_format,
-        max_tokens=ROOM, temperature=1.0, seed=seed, extra_body=_thinking(thinking),
+        model="tiny",
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        response_format=response_format,
+        max_tokens=ROOM,
+        temperature=1.0,
+        seed=seed,
+        extra_body=_thinking(thinking),
     )
     if stream:
         finish, reasoning, content, _ = _collect_stream(client.chat.completions.create(stream=True, **kwargs))
@@ -219,23 +323,42 @@ def test_responses_api_with_the_openai_client(client):
     off through ``reasoning.effort: none``) follow the tool schema; with thinking on, vLLM
     0.32's Responses API has no thinking budget, so random weights think until
     ``max_output_tokens`` and the response says ``incomplete`` (README)."""
-    reasoning = client.responses.create(model="tiny", input="Hello", max_output_tokens=24, reasoning={"effort": "low"})
+    reasoning = client.responses.create(
+        model="tiny", input="Hello", max_output_tokens=24, reasoning={"effort": "low"}
+    )
     item = reasoning.output[0]
     assert item.type == "reasoning" and item.content[0].text.strip()
     assert reasoning.status == "incomplete" and reasoning.incomplete_details.reason == "max_output_tokens"
 
-    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
-              "parameters": t["function"]["parameters"], "strict": None} for t in TOOLS]
+    tools = [
+        {
+            "type": "function",
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "parameters": t["function"]["parameters"],
+            "strict": None,
+        }
+        for t in TOOLS
+    ]
     for tool_choice in ("required", {"type": "function", "name": "search"}):
-        response = client.responses.create(model="tiny", input="Plan a trip.", tools=tools, tool_choice=tool_choice,
-                                           max_output_tokens=ROOM, reasoning={"effort": "none"}, temperature=1.0)
+        response = client.responses.create(
+            model="tiny",
+            input="Plan a trip.",
+            tools=tools,
+            tool_choice=tool_choice,
+            max_output_tokens=CALLS_ROOM,
+            reasoning={"effort": "none"},
+            temperature=1.0,
+        )
         calls = [item for item in response.output if item.type == "function_call"]
         assert response.status == "completed" and calls, response.output
         for call in calls:
             assert tool_choice == "required" or call.name == "search"
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
-    text = client.responses.create(model="tiny", input="Hello", max_output_tokens=12, reasoning={"effort": "none"})
+    text = client.responses.create(
+        model="tiny", input="Hello", max_output_tokens=12, reasoning={"effort": "none"}
+    )
     assert [item.type for item in text.output] == ["message"] and text.output_text.strip()
 
 
@@ -246,13 +369,24 @@ def test_messages_api_with_the_anthropic_client(server):
     import anthropic
 
     messages = anthropic.Anthropic(base_url=server[0], api_key="EMPTY", timeout=900).messages
-    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
-              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
     ask = [{"role": "user", "content": "Plan a trip."}]
 
-    thought = messages.create(model="tiny", max_tokens=1400, messages=ask, tools=tools,
-                              tool_choice={"type": "tool", "name": "add"},
-                              thinking={"type": "enabled", "budget_tokens": 1024})
+    thought = messages.create(
+        model="tiny",
+        max_tokens=1400,
+        messages=ask,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "add"},
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
     kinds = [block.type for block in thought.content]
     assert kinds[0] == "thinking" and thought.content[0].thinking.strip(), kinds
     uses = [block for block in thought.content if block.type == "tool_use"]
@@ -260,8 +394,14 @@ def test_messages_api_with_the_anthropic_client(server):
     for use in uses:
         jsonschema.validate(use.input, SCHEMAS["add"])
 
-    with messages.stream(model="tiny", max_tokens=ROOM, messages=ask, tools=tools, tool_choice={"type": "any"},
-                         thinking={"type": "disabled"}) as stream:
+    with messages.stream(
+        model="tiny",
+        max_tokens=CALLS_ROOM,
+        messages=ask,
+        tools=tools,
+        tool_choice={"type": "any"},
+        thinking={"type": "disabled"},
+    ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content, final
     for block in final.content:
@@ -272,7 +412,9 @@ def test_messages_api_with_the_anthropic_client(server):
     assert [block.type for block in plain.content] == ["text"] and plain.stop_reason == "max_tokens"
     bad = pytest.raises(anthropic.BadRequestError)
     with bad:  # Anthropic's own rule, enforced by vLLM: a budget below 1024 is a 400
-        messages.create(model="tiny", max_tokens=64, messages=ask, thinking={"type": "enabled", "budget_tokens": 12})
+        messages.create(
+            model="tiny", max_tokens=64, messages=ask, thinking={"type": "enabled", "budget_tokens": 12}
+        )
     assert messages.create(model="tiny", max_tokens=4, messages=ask, thinking={"type": "disabled"}).content
 
 
@@ -280,14 +422,32 @@ def test_bad_schemas_are_400s_and_the_server_keeps_serving(server):
     import requests
 
     url = f"{server[0]}/v1/chat/completions"
-    ask = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
-           "chat_template_kwargs": {"thinking": False}}
-    lookbehind = {"type": "function", "function": {"name": "find", "parameters": {
-        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["x"]}}}
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 8,
+        "chat_template_kwargs": {"thinking": False},
+    }
+    lookbehind = {
+        "type": "function",
+        "function": {
+            "name": "find",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}},
+                "required": ["x"],
+            },
+        },
+    }
     r = requests.post(url, json=ask | {"tools": [lookbehind], "tool_choice": "required"}, timeout=300)
     assert r.status_code == 400 and "'find'" in r.json()["error"]["message"], r.text
-    bad_json = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
-        "type": "object", "properties": {"x": {"type": "string", "maxLength": "abc"}}}}}
+    bad_json = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "a",
+            "schema": {"type": "object", "properties": {"x": {"type": "string", "maxLength": "abc"}}},
+        },
+    }
     r = requests.post(url, json=ask | {"response_format": bad_json}, timeout=300)
     assert r.status_code == 400 and "maxLength" in r.json()["error"]["message"], r.text
     r = requests.post(url, json=ask, timeout=300)

@@ -66,8 +66,13 @@ def test_stock_bounded_strings_admit_control_characters_and_ours_do_not(compiler
     with pytest.raises(json.JSONDecodeError):
         json.loads(raw_control)
     assert not accepts(ours, raw_control)
-    for text, ok in [('{"name": "abcde"}', True), ('{"name": ""}', True), ('{"name": "abcdef"}', False),
-                     ('{"name": "a\tb"}', False), ('{"name": "a\\"b"}', False)]:
+    for text, ok in [
+        ('{"name": "abcde"}', True),
+        ('{"name": ""}', True),
+        ('{"name": "abcdef"}', False),
+        ('{"name": "a\tb"}', False),
+        ('{"name": "a\\"b"}', False),
+    ]:
         assert accepts(ours, text) is ok, text
         assert accepts(stock, text) is ok or text == '{"name": "a\tb"}', text
 
@@ -76,10 +81,12 @@ def test_whitespace_runs_are_capped(compiler):
     schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     stock = compiler.compile_json_schema(schema).grammar
     ours = _bounded(compiler, 4).compile_json_schema(schema).grammar
-    assert accepts(stock, '{' + " " * 40 + '"n": 1}')
-    assert accepts(ours, '{' + " " * 4 + '"n": 1}')
-    assert not accepts(ours, '{' + " " * 5 + '"n": 1}')
-    compact = _bounded(compiler, 4).compile_json_schema(schema, any_whitespace=False, separators=(",", ":")).grammar
+    assert accepts(stock, "{" + " " * 40 + '"n": 1}')
+    assert accepts(ours, "{" + " " * 4 + '"n": 1}')
+    assert not accepts(ours, "{" + " " * 5 + '"n": 1}')
+    compact = (
+        _bounded(compiler, 4).compile_json_schema(schema, any_whitespace=False, separators=(",", ":")).grammar
+    )
     assert accepts(compact, '{"n":1}') and not accepts(compact, '{ "n":1}')  # vLLM's compact mode kept
 
 
@@ -94,11 +101,25 @@ def test_structural_tags_bound_json_and_xml_arguments(compiler):
     json_format = {"type": "json_schema", "json_schema": NAME}
     xml_format = {"type": "json_schema", "style": "deepseek_v4_1_xml", "json_schema": NAME}
     for content, good, padded, control in [
-        (json_format, '<a>{"name": "ab"}</a>', '<a>{' + " " * 8 + '"name": "ab"}</a>', '<a>{"name": "a\x01"}</a>'),
-        (xml_format, '<a><｜DSML｜ parameter name="name" string="true">ab</｜DSML｜ parameter></a>',
-         '<a>' + " " * 8 + '<｜DSML｜ parameter name="name" string="true">ab</｜DSML｜ parameter></a>', None),
+        (
+            json_format,
+            '<a>{"name": "ab"}</a>',
+            "<a>{" + " " * 8 + '"name": "ab"}</a>',
+            '<a>{"name": "a\x01"}</a>',
+        ),
+        (
+            xml_format,
+            '<a><｜DSML｜ parameter name="name" string="true">ab</｜DSML｜ parameter></a>',
+            "<a>" + " " * 8 + '<｜DSML｜ parameter name="name" string="true">ab</｜DSML｜ parameter></a>',
+            None,
+        ),
     ]:
-        tag = json.dumps({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "content": content, "end": "</a>"}})
+        tag = json.dumps(
+            {
+                "type": "structural_tag",
+                "format": {"type": "tag", "begin": "<a>", "content": content, "end": "</a>"},
+            }
+        )
         stock = compiler.compile_structural_tag(tag).grammar
         ours = _bounded(compiler, 3).compile_structural_tag(tag).grammar
         assert accepts(stock, good) and accepts(ours, good)

@@ -13,24 +13,46 @@ from xgrammar.testing import _is_grammar_accept_string as accepts
 
 from deepinfer_vllm.entrypoints.tool_parser import DeepSeekV41ToolParser, forces_call
 
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}}}
-ECHO = {"type": "function", "function": {"name": "echo", "parameters": {
-    "type": "object", "properties": {"text": {"type": "string", "maxLength": 4}}, "required": ["text"]}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["a"],
+        },
+    },
+}
+ECHO = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "maxLength": 4}},
+            "required": ["text"],
+        },
+    },
+}
 
 
 def _call(name: str, params: str) -> str:
-    return (f'\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="{name}">\n{params}'
-            '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+    return (
+        f'\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="{name}">\n{params}'
+        "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+    )
 
 
 def _param(key: str, value: str, string: bool) -> str:
-    return f'<｜DSML｜ parameter name="{key}" string="{"true" if string else "false"}">{value}</｜DSML｜ parameter>\n'
+    kind = "true" if string else "false"
+    return f'<｜DSML｜ parameter name="{key}" string="{kind}">{value}</｜DSML｜ parameter>\n'
 
 
 def _grammar(parser_cls, tools, tool_choice):
-    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
-                                    tool_choice=tool_choice)
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=tool_choice
+    )
     parser = object.__new__(parser_cls)  # get_structural_tag reads class attributes only
     tag = parser.get_structural_tag(request)
     return None if tag is None else xgr.Grammar.from_structural_tag(tag)
@@ -65,8 +87,11 @@ def test_explicit_strict_false_and_auto_are_vllms():
 
 def test_forces_call():
     assert forces_call("required")
-    assert forces_call(ChatCompletionRequest(model="m", messages=[], tools=[ADD], tool_choice={
-        "type": "function", "function": {"name": "add"}}).tool_choice)
+    assert forces_call(
+        ChatCompletionRequest(
+            model="m", messages=[], tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}
+        ).tool_choice
+    )
     assert not any(forces_call(choice) for choice in (None, "auto", "none"))
 
 
@@ -82,8 +107,17 @@ def test_vllms_manager_serves_our_parser():
 def test_a_schema_xgrammar_refuses_is_a_clear_error_naming_the_tool():
     from vllm.exceptions import VLLMValidationError
 
-    lookbehind = {"type": "function", "function": {"name": "find", "parameters": {
-        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["x"]}}}
+    lookbehind = {
+        "type": "function",
+        "function": {
+            "name": "find",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}},
+                "required": ["x"],
+            },
+        },
+    }
     with pytest.raises(VLLMValidationError, match=r"cannot compile it: 'find' \(.*strict.: false"):
         _grammar(DeepSeekV41ToolParser, [ADD, lookbehind], "required")
     loose = {"type": "function", "function": {**lookbehind["function"], "strict": False}}

@@ -27,9 +27,18 @@ MISSING = (
     "msgspec openai oss-harmony partial-json-parser pybase64 pydantic pydantic_core pydantic-extra-types "
     "sniffio starlette truststore apache-tvm-ffi typing-inspection xgrammar pyzmq"
 ).split()
-PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
-             "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux1_x86_64",
-             "manylinux_2_5_x86_64", "any"]
+PLATFORMS = [
+    "manylinux2014_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_26_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux1_x86_64",
+    "manylinux_2_5_x86_64",
+    "any",
+]
 
 
 def main() -> None:
@@ -44,9 +53,29 @@ def main() -> None:
     wheels = OUT / "wheels"
     wheels.mkdir(exist_ok=True)
     pins = [f"{name}=={md.version(name)}" for name in MISSING]
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
-           "--abi", "none", "-d", str(wheels), *[a for p in PLATFORMS for a in ("--platform", p)], *pins]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "--abi",
+        "cp312",
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+        "-d",
+        str(wheels),
+        *[a for p in PLATFORMS for a in ("--platform", p)],
+        *pins,
+    ]
     subprocess.run(cmd, check=True)
     size = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({size / 2**20:.1f} MiB): vLLM {vllm.__version__} sources, {len(pins)} wheels")

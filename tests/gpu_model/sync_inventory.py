@@ -39,7 +39,11 @@ def main() -> None:
 
     def record(message, category, filename, lineno, file=None, line=None):
         ours = [f for f in traceback.extract_stack() if "deepinfer_vllm" in f.filename]
-        where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}" if ours else f"{filename}:{lineno}"
+        where = (
+            f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}"
+            if ours
+            else f"{filename}:{lineno}"
+        )
         sites[where] += 1
 
     with warnings.catch_warnings():

@@ -52,7 +52,9 @@ def test_fp32_greedy_tokens_equal_the_reference(preset, kernels, request):
     g = torch.Generator().manual_seed(0)
     for n in PROMPT_LENS:
         prompt = torch.randint(3, 120000, (n,), generator=g).tolist()
-        assert _greedy(harness, f"r{n}", prompt, NEW_TOKENS) == reference.greedy_generate(prompt, NEW_TOKENS), n
+        assert _greedy(harness, f"r{n}", prompt, NEW_TOKENS) == reference.greedy_generate(
+            prompt, NEW_TOKENS
+        ), n
     assert _used(harness) == [kernels]
 
 
@@ -60,7 +62,12 @@ def _interleaved(harness: PagedHarness) -> dict[str, torch.Tensor]:
     """The kernel-path schedule: two requests, prefill chunks that split ratio-2 pairs, decodes."""
     p = prompts()
     logits = {"a": [], "b": []}
-    for step in ([SCHEDULE[0], SCHEDULE[1]], [SCHEDULE[2], SCHEDULE[3]], [SCHEDULE[4], SCHEDULE[5]], [SCHEDULE[6]]):
+    for step in (
+        [SCHEDULE[0], SCHEDULE[1]],
+        [SCHEDULE[2], SCHEDULE[3]],
+        [SCHEDULE[4], SCHEDULE[5]],
+        [SCHEDULE[6]],
+    ):
         out = harness.step([(rid, p[rid][a:b]) for rid, a, b in step]).float().cpu()
         i = 0
         for rid, a, b in step:
@@ -99,11 +106,15 @@ def test_bf16_interleaved_chunks_are_as_close_to_fp32_as_the_bf16_reference(tiny
     bf16 logits are judged by their distance to the fp32 reference, against the distance of
     the CPU's own bf16 reference to it (the size of bf16's error on this model)."""
     fp32 = {rid: _reference(tiny_checkpoint).forward(p).float() for rid, p in prompts().items()}
-    base_agree, base_cos, _ = _agreement({rid: _reference(tiny_checkpoint, torch.bfloat16).forward(p).float()
-                                          for rid, p in prompts().items()}, fp32)
+    base_agree, base_cos, _ = _agreement(
+        {rid: _reference(tiny_checkpoint, torch.bfloat16).forward(p).float() for rid, p in prompts().items()},
+        fp32,
+    )
     got = _interleaved(PagedHarness(tiny_checkpoint, dtype="bfloat16", device="cuda"))
     agree, cos, worst = _agreement(got, fp32)
-    print(f"bf16 {kernels} vs fp32 reference: argmax agreement {agree:.3f}, cosine median {cos.median():.5f} "
-          f"(CPU bf16 reference vs fp32: {base_agree:.3f}, {base_cos.median():.5f}), max |dlogit| {worst:.2e}")
+    print(
+        f"bf16 {kernels} vs fp32 reference: argmax agreement {agree:.3f}, cosine median {cos.median():.5f} "
+        f"(CPU bf16 reference vs fp32: {base_agree:.3f}, {base_cos.median():.5f}), max |dlogit| {worst:.2e}"
+    )
     assert agree >= base_agree - 0.15
     assert cos.median() >= base_cos.median() - 0.01

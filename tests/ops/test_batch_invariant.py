@@ -97,13 +97,19 @@ def test_plain_sigmoid_is_batch_variant():
     assert not torch.equal(alone, torch.sigmoid(x))
 
 
-@pytest.mark.parametrize("fn", [torch.exp, torch.sqrt, torch.rsqrt, torch.log2], ids=["exp", "sqrt", "rsqrt", "log2"])
+@pytest.mark.parametrize(
+    "fn", [torch.exp, torch.sqrt, torch.rsqrt, torch.log2], ids=["exp", "sqrt", "rsqrt", "log2"]
+)
 def test_ops_left_unwrapped_agree_on_both_paths(fn):
     """exp, sqrt, rsqrt and log2 stay plain in batch-invariant mode: their SIMD and scalar
     kernels must give the same bits (checked on 2**20 values)."""
     g = torch.Generator().manual_seed(4)
     for dtype in DTYPES:
-        x = torch.rand(1 << 20, generator=g, dtype=dtype) * 60 - 50 if fn is torch.exp else torch.rand(1 << 20, generator=g, dtype=dtype) * 10 + 1e-3
+        x = (
+            torch.rand(1 << 20, generator=g, dtype=dtype) * 60 - 50
+            if fn is torch.exp
+            else torch.rand(1 << 20, generator=g, dtype=dtype) * 10 + 1e-3
+        )
         lanes = x.new_empty(x.numel(), 2)
         lanes[:, 0] = x
         assert torch.equal(fn(x), fn(lanes[:, 0]))
