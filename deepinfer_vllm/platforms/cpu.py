@@ -15,6 +15,7 @@ verification samples from garbage (NaN) distributions; ours keeps the dtype.
 from __future__ import annotations
 
 import logging
+from typing import Any, NamedTuple
 
 from vllm.platforms.cpu import CpuPlatform
 
@@ -70,20 +71,8 @@ class DeepInferCpuPlatform(CpuPlatform):
             vllm_config, lambda: super(DeepInferCpuPlatform, cls).check_and_update_config(vllm_config),
             V41_WORKER, STOCK_WORKERS,
         )
-        block_size, chunked, prefix, dspark = settings
-        parallel_config = vllm_config.parallel_config
-        logger.info(
-            "DeepInfer V4.1 on CPU: block_size=%d, chunked_prefill=%s, prefix_caching=%s, "
-            "tensor_parallel=%d, data_parallel=%d, expert_parallel=%s, dspark=%s",
-            block_size,
-            chunked,
-            prefix,
-            parallel_config.tensor_parallel_size,
-            parallel_config.data_parallel_size,
-            parallel_config.enable_expert_parallel,
-            "off" if dspark is None else f"k={dspark.num_speculative_tokens} adaptive={dspark.adaptive}",
-        )
-        if (not cls._explained) and (chunked or prefix):
+        logger.info("DeepInfer V4.1 on CPU: %s", settings.summary(vllm_config.parallel_config))
+        if (not cls._explained) and (settings.chunked_prefill or settings.prefix_caching):
             cls._explained = True
             logger.info(
                 "DeepInfer V4.1 on CPU: vLLM's CPU platform logs that it forces chunked prefill and "
@@ -95,13 +84,33 @@ class DeepInferCpuPlatform(CpuPlatform):
             )
 
 
-def configure_v41(vllm_config, device_update, worker: str, stock_workers: tuple[str, ...]):
+class V41Settings(NamedTuple):
+    """What ``configure_v41`` decided, for the platform's log line."""
+
+    block_size: int
+    chunked_prefill: bool
+    prefix_caching: bool
+    dspark: Any  # spec_decode.config.DSparkSettings, or None
+
+    def summary(self, parallel_config) -> str:
+        dspark = "off" if self.dspark is None else (
+            f"k={self.dspark.num_speculative_tokens} adaptive={self.dspark.adaptive}"
+        )
+        return (
+            f"block_size={self.block_size}, chunked_prefill={self.chunked_prefill}, "
+            f"prefix_caching={self.prefix_caching}, tensor_parallel={parallel_config.tensor_parallel_size}, "
+            f"data_parallel={parallel_config.data_parallel_size}, "
+            f"expert_parallel={parallel_config.enable_expert_parallel}, dspark={dspark}"
+        )
+
+
+def configure_v41(vllm_config, device_update, worker: str, stock_workers: tuple[str, ...]) -> V41Settings:
     """The V4.1 decisions every DeepInfer platform makes, around its device's own update
     (``device_update``, e.g. the stock platform's ``check_and_update_config``): parallel and
     checkpoint checks in the user's process, 64-token blocks (or the user's even size),
     chunked prefill, prefix caching and the batch budget as the user asked (the device
     update may have changed them), ``worker`` where vLLM's stock one was chosen, DSpark.
-    Returns ``(block_size, chunked_prefill, prefix_caching, dspark settings or None)``."""
+    Returns the decisions as ``V41Settings``."""
     from deepinfer_vllm.configs import V41Arch
 
     model_config = vllm_config.model_config
@@ -128,7 +137,7 @@ def configure_v41(vllm_config, device_update, worker: str, stock_workers: tuple[
     dspark = None
     if vllm_config.speculative_config is not None:
         dspark = _configure_dspark(vllm_config, arch, checkpoint_names)
-    return block_size, chunked, prefix, dspark
+    return V41Settings(block_size, chunked, prefix, dspark)
 
 
 def expand_batch_values(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:

@@ -156,24 +156,16 @@ class DeepInferAscendPlatform(Platform):
         if model_config is None:
             cls._device_profile(vllm_config)
             return
-        block_size, chunked, prefix, dspark = configure_v41(
+        settings = configure_v41(
             vllm_config, lambda: cls._device_profile(vllm_config), V41_NPU_WORKER, STOCK_NPU_WORKERS
         )
-        parallel_config = vllm_config.parallel_config
         layer = npu.get()
         logger.info(
-            "DeepInfer V4.1 on Ascend (%s%s): block_size=%d, chunked_prefill=%s, prefix_caching=%s, "
-            "tensor_parallel=%d, data_parallel=%d, expert_parallel=%s, dist_backend=%s, dspark=%s",
+            "DeepInfer V4.1 on Ascend (%s%s): dist_backend=%s, %s",
             layer.soc_name(0),
             ", simulated on CPU tensors" if layer.simulated else "",
-            block_size,
-            chunked,
-            prefix,
-            parallel_config.tensor_parallel_size,
-            parallel_config.data_parallel_size,
-            parallel_config.enable_expert_parallel,
             layer.dist_backend,
-            "off" if dspark is None else f"k={dspark.num_speculative_tokens} adaptive={dspark.adaptive}",
+            settings.summary(vllm_config.parallel_config),
         )
         if layer.simulated and not cls._explained:
             cls._explained = True
