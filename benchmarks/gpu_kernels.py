@@ -1,4 +1,4 @@
-"""GPU kernel benchmark: every Triton kernel of V4.1's attention path on Flash shapes.
+"""GPU kernel benchmark: every Triton kernel of V4.1 (attention path, FP8/FP4 weight GEMMs) on Flash shapes.
 
 Run on the GPU host (no vLLM needed): ``python benchmarks/gpu_kernels.py``.
 Prints the ceilings measured in this run (device copy bandwidth, bf16 and fp8
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu.common import HEADER, measure_ceilings  # noqa: E402
 
-MODULES = ("cache_store", "indexer", "sparse_mla_decode")
+MODULES = ("cache_store", "indexer", "sparse_mla_decode", "fp8_gemm", "moe_gemm")
 
 
 def _print_table(rows: list[list[str]], markdown: bool) -> None:
@@ -52,7 +52,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(
         f"ceilings (this run): copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, "
-        f"bf16 matmul {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s, fp8 matmul {c.fp8_flops_per_s / 1e12:.0f} TFLOP/s"
+        f"bf16 matmul {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
+        f"fp8 matmul {c.fp8_flops_per_s / 1e12:.0f} TFLOP/s"
     )
     cells = []
     for name in args.only.split(","):

@@ -5,11 +5,13 @@ the plugin stays cheap to import in every vLLM process.
 
 | Variable | Default | Meaning |
 | --- | --- | --- |
-| ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` | ``off`` | ``off``: every layer runs every prompt row. ``mask``: decoder layers (the causal decoder half, from the first ratio-1 layer) keep window KV only for the last ``KEEP`` prompt positions and clip their window there (DeepInfer's bounded replay semantics). ``compact``: the same numerics, computing decoder layers only on the kept rows. |
+| ``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` | ``off`` | ``off``: every layer runs every prompt row. ``mask``: decoder layers (the causal decoder half, from the first ratio-1 layer) keep window KV only for the last ``KEEP`` prompt positions and clip their window there (DeepInfer's prefill truncation). ``compact``: the same numerics, computing decoder layers only on the kept rows. |
 | ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` | ``0`` (= ``sliding_window + 12`` when truncating) | retained suffix ``KEEP``; must be at least ``sliding_window``. |
 | ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). ``ascend``: DeepInfer's Ascend platform on any Ascend SoC with torch-npu (in ``auto`` only an Ascend 950 gets it); with vllm-ascend installed, also exclude its ``ascend`` entry through ``VLLM_PLUGINS`` (vLLM activates one out-of-tree platform). |
 | ``DEEPINFER_MODEL`` | ``auto`` | which class serves ``DeepseekV41ForCausalLM``. ``deepinfer``: this plugin's (released formats held as released, TP/DP/EP through vLLM's groups). ``vllm``: vLLM's in-tree class (the plugin registers no model; its serving fixes in ``entrypoints/`` still apply). ``auto``: vLLM's on CUDA and ROCm, where the in-tree class runs the release on the GPU; the plugin's everywhere else (vLLM's is GPU-only). The choice is logged. |
 | ``DEEPINFER_USE_NEXTN_DECODE`` | unset | DeepInfer's DSpark draft width ``k``: used where vLLM's ``speculative_config`` leaves ``num_speculative_tokens`` to its default. vLLM 0.32 accepts that only when the config names the draft ``model`` (for DSpark, the checkpoint itself) and then fills in ``dspark_block_size``; with this variable set, the platform uses its value instead (an explicit ``num_speculative_tokens`` equal to ``dspark_block_size`` cannot be told apart and yields too). ``0`` refuses DSpark. |
+| ``DEEPINFER_GEMM_KERNELS`` | ``auto`` | kernels of the weight GEMMs (FP8 32x32 dense layers, grouped packed-E2M1 experts). ``auto``: our Triton kernels on CUDA devices for bf16 models; the PyTorch reference elsewhere (fp32 models keep it everywhere: it accumulates in fp64). ``torch`` / ``triton`` force one (``triton`` needs bf16 activations; on a CPU only under ``TRITON_INTERPRET=1``). The MoE's Triton path groups tokens by expert on the device, without host synchronisation. The choice is logged once. |
+| ``DEEPINFER_GEMM_ACTIVATIONS`` | ``bf16`` | what the weight GEMMs multiply the FP8 / FP4 weights with. ``bf16``: the activations as computed (the reference numerics). ``mxfp8``: activations first quantised to MXFP8 (e4m3 + UE8M0 per 32 along K), as DeepInfer does on the GPU; the same on every path, so kernels and reference agree. |
 | ``DEEPINFER_ATTENTION_KERNELS`` | ``auto`` | kernels of the attention hot path (cache writes, indexer + top-k, sparse attention). ``auto``: our Triton kernels on CUDA devices, the PyTorch reference elsewhere. ``torch``: always the reference. ``triton``: always Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). The choice is logged once. |
 | ``DEEPINFER_BATCH_INVARIANT`` | ``0`` | ``1``: every row of a step is computed independently of the other rows (requests, prefill chunks, decodes) sharing it, so a request's tokens and logprobs are bitwise the same alone and in any batch, in bf16 and fp32 (greedy and seeded sampling). GEMMs run in fixed row tiles (``ops.numerics.matmul``) and sigmoid / SiLU / softplus on the scalar kernel (``ops.numerics.pointwise``); numerics stay those of the spec (last-ulp differences from ``0``). Costs throughput (``benchmarks/README.md``). ``0``: the fastest kernel for each call. |
 | ``DEEPINFER_GRAMMAR_MAX_WHITESPACE`` | ``16`` | longest whitespace run a V4.1 JSON or tool-call grammar allows (xgrammar's ``max_whitespace_cnt``) where vLLM allows whitespace at all (its ``disable_any_whitespace`` off); without a cap a model can fill ``max_tokens`` with blanks. See ``entrypoints/structured_outputs.py``. |
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-YOCO_MODES = ("off", "mask", "compact")
+TRUNCATION_MODES = ("off", "mask", "compact")
 
 
 def _get(name: str, default: str) -> str:
@@ -35,8 +37,8 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def yoco_mode() -> str:
-    return _choice("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", YOCO_MODES)
+def prefill_truncation_mode() -> str:
+    return _choice("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", TRUNCATION_MODES)
 
 
 def _int(name: str, default: int, minimum: int) -> int:
@@ -50,14 +52,14 @@ def _int(name: str, default: int, minimum: int) -> int:
     return value
 
 
-def yoco_keep_tokens() -> int:
+def prefill_truncation_keep() -> int:
     return _int("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 0, minimum=0)
 
 
-def yoco_settings(sliding_window: int) -> tuple[str, int]:
+def prefill_truncation_settings(sliding_window: int) -> tuple[str, int]:
     """``(mode, keep)`` validated against the model's window."""
-    mode = yoco_mode()
-    keep = yoco_keep_tokens()
+    mode = prefill_truncation_mode()
+    keep = prefill_truncation_keep()
     if mode == "off":
         return mode, 0
     if keep == 0:
@@ -80,6 +82,19 @@ ATTENTION_KERNEL_MODES = ("auto", "torch", "triton")
 
 def attention_kernels() -> str:
     return _choice("DEEPINFER_ATTENTION_KERNELS", ATTENTION_KERNEL_MODES)
+
+
+GEMM_KERNEL_MODES = ("auto", "torch", "triton")
+GEMM_ACTIVATIONS = ("bf16", "mxfp8")
+
+
+def gemm_kernels() -> str:
+    return _choice("DEEPINFER_GEMM_KERNELS", GEMM_KERNEL_MODES)
+
+
+def gemm_activations() -> str:
+    """``DEEPINFER_GEMM_ACTIVATIONS``; read on every GEMM (one environment lookup)."""
+    return _choice("DEEPINFER_GEMM_ACTIVATIONS", GEMM_ACTIVATIONS)
 
 
 def batch_invariant() -> bool:

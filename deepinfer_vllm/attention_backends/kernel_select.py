@@ -1,4 +1,4 @@
-"""Which kernels run V4.1's attention hot path, chosen once per process and logged.
+"""Which kernels run V4.1's hot paths (attention, weight GEMMs), chosen once per device and logged.
 
 The PyTorch reference path (``None`` here) runs everywhere and is what every
 kernel is tested against. On CUDA devices the backend uses our Triton kernels
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 VENDOR_LIBRARIES = ("flash_mla", "deep_gemm", "deep_select")
 
-_logged: set[tuple[str, str]] = set()
+_logged: set[tuple[str, ...]] = set()
 
 
 def vendor_libraries() -> list[str]:
@@ -73,6 +73,44 @@ def choose_attention_kernels(device: torch.device) -> str:
             if vendors and choice == "triton"
             else ""
         )
-        logger.info("DeepInfer V4.1 attention kernels: %s (%s)%s%s", choice, why, _gluon_note(choice, device),
-                    vendor_note)
+        logger.info(
+            "DeepInfer V4.1 attention kernels: %s (%s)%s%s",
+            choice,
+            why,
+            _gluon_note(choice, device),
+            vendor_note,
+        )
+    return choice
+
+
+def choose_gemm_kernels(device: torch.device, dtype: torch.dtype) -> str:
+    """``"triton"`` or ``"torch"`` for the weight GEMMs of a model computing in ``dtype`` on
+    ``device`` (``DEEPINFER_GEMM_KERNELS``). The kernels take bf16 activations; fp32 models
+    keep the reference, which accumulates in fp64."""
+    mode = envs.gemm_kernels()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if mode == "torch":
+        choice, why = "torch", "DEEPINFER_GEMM_KERNELS=torch"
+    elif mode == "triton":
+        if not _triton_available():
+            raise RuntimeError("DEEPINFER_GEMM_KERNELS=triton but Triton is not installed")
+        if device.type != "cuda" and not interpret:
+            raise RuntimeError(
+                f"DEEPINFER_GEMM_KERNELS=triton needs a CUDA device (got {device}); "
+                "on a CPU set TRITON_INTERPRET=1 (tests only)"
+            )
+        if dtype != torch.bfloat16:
+            raise RuntimeError(
+                f"DEEPINFER_GEMM_KERNELS=triton needs a bfloat16 model (got {dtype}); "
+                "fp32 models run the fp64-accumulating reference GEMMs"
+            )
+        choice, why = "triton", "DEEPINFER_GEMM_KERNELS=triton"
+    elif device.type == "cuda" and _triton_available() and dtype == torch.bfloat16:
+        choice, why = "triton", f"CUDA device {torch.cuda.get_device_name(device)}, bf16"
+    else:
+        choice, why = "torch", f"{device.type} device, {str(dtype).removeprefix('torch.')}"
+    key = ("gemm", choice, str(device))
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("DeepInfer V4.1 GEMM kernels: %s (%s)", choice, why)
     return choice

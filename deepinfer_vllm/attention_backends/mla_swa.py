@@ -23,7 +23,6 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (
@@ -42,7 +41,12 @@ BACKEND_NAME = "DEEPINFER_V41_MLA_SWA"
 
 @dataclass
 class V41StepMetadata:
-    """Per-step metadata of one KV cache group (host tensors on CPU)."""
+    """Per-step metadata of one KV cache group.
+
+    Tensors live where vLLM's common metadata keeps its device tensors (the
+    model's device), so a device step reads them without host copies; the
+    ints are host values vLLM already has (no synchronisation to get them).
+    """
 
     num_reqs: int
     num_actual_tokens: int
@@ -53,15 +57,24 @@ class V41StepMetadata:
     token_req: torch.Tensor  # [num_actual_tokens] int64, request row of each token
     block_table: torch.Tensor  # [num_reqs, max_blocks] int64
     block_size: int  # tokens covered by one block of this group
+    max_seq_len: int  # host upper bound of ``seq_lens`` (static sizes without a sync)
+    max_query_len: int  # host upper bound of any request's tokens in this step
     # [num_reqs] prompt length of each request; filled by DeepInfer's runner
     # (vLLM's common metadata does not carry it), None elsewhere.
     prompt_lens: torch.Tensor | None = None
 
 
 class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):
-    """Turns vLLM's common metadata into :class:`V41StepMetadata`."""
+    """Turns vLLM's common metadata into :class:`V41StepMetadata` with device ops only.
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    Its tensors are views of buffers the builder keeps for its lifetime (the
+    runner's own inputs are persistent buffers too), so a step captured in a
+    CUDA graph reads each later step's values from the same addresses.
+    Uniform single-token decode batches may be captured: a captured step's
+    sizes use ``max_seq_len = max_model_len``, a bound for every replay.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(
         self,
@@ -71,6 +84,25 @@ class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):
         device: torch.device,
     ):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        sched = vllm_config.scheduler_config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        reqs, tokens = sched.max_num_seqs, sched.max_num_batched_tokens
+        i64 = dict(dtype=torch.int64, device=device)
+        self._qsl = torch.zeros(reqs + 1, **i64)
+        self._seq_lens = torch.zeros(reqs, **i64)
+        self._context_lens = torch.zeros(reqs, **i64)
+        self._token_req = torch.zeros(tokens, **i64)
+        self._arange = torch.arange(tokens, **i64)
+        self._block_table: torch.Tensor | None = None  # sized by the runner's table on first use
+
+    def _buffer(self, name: str, n: int, src_rows: int) -> torch.Tensor:
+        buf = getattr(self, name)
+        if n > buf.shape[0]:
+            raise ValueError(
+                f"{BACKEND_NAME}: a step of {src_rows} requests/tokens exceeds the builder's buffers "
+                f"({buf.shape[0]}; max_num_seqs / max_num_batched_tokens)"
+            )
+        return buf[:n]
 
     def build(
         self,
@@ -81,25 +113,41 @@ class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):
         cm = common_attn_metadata
         num_reqs = cm.num_reqs
         num_tokens = cm.num_actual_tokens
-        qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
-        seq_lens = cm.seq_lens[:num_reqs].to("cpu", torch.int64)
-        query_lens = qsl[1:] - qsl[:-1]
+        qsl = self._buffer("_qsl", num_reqs + 1, num_reqs)
+        qsl.copy_(cm.query_start_loc[: num_reqs + 1])
+        seq_lens = self._buffer("_seq_lens", num_reqs, num_reqs)
+        seq_lens.copy_(cm.seq_lens[:num_reqs])
+        context_lens = self._buffer("_context_lens", num_reqs, num_reqs)
+        torch.sub(seq_lens, qsl[1:] - qsl[:-1], out=context_lens)
+        # Request row of each token: how many requests end at or before it.
+        token_req = self._buffer("_token_req", num_tokens, num_tokens)
+        torch.searchsorted(qsl[1:], self._arange[:num_tokens], right=True, out=token_req)
         positions = cm.positions
         assert positions is not None, "V4.1 needs token positions in the metadata"
-        token_req = torch.repeat_interleave(
-            torch.arange(num_reqs, dtype=torch.int64), query_lens
-        )
+        table = cm.block_table_tensor
+        if self._block_table is None or self._block_table.shape[1] < table.shape[1]:
+            rows = max(table.shape[0], self._seq_lens.shape[0])
+            self._block_table = torch.zeros(rows, table.shape[1], dtype=torch.int64, device=table.device)
+        block_table = self._buffer("_block_table", num_reqs, num_reqs)[:, : table.shape[1]]
+        block_table.copy_(table[:num_reqs])
         return V41StepMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
             query_start_loc=qsl,
             seq_lens=seq_lens,
-            context_lens=seq_lens - query_lens,
+            context_lens=context_lens,
             positions=positions[:num_tokens].to(torch.int64),
             token_req=token_req,
-            block_table=cm.block_table_tensor[:num_reqs].to(torch.int64),
+            block_table=block_table,
             block_size=self.kv_cache_spec.block_size,
+            max_seq_len=int(cm.max_seq_len),
+            max_query_len=int(cm.max_query_len),
         )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> V41StepMetadata:
+        meta = self.build(0, common_attn_metadata)
+        meta.max_seq_len = self.max_model_len  # every replay's sequences fit
+        return meta
 
 
 class DeepInferV41Backend(AttentionBackend):

@@ -32,6 +32,8 @@ __all__ = [
     "swiglu_clamped",
     "expert_mlp",
     "expert_choices",
+    "expert_groups",
+    "sum_in_expert_order",
     "moe_forward",
 ]
 
@@ -129,6 +131,39 @@ def expert_choices(
     for e in torch.unique(flat_ids[live]).tolist():
         sel = (flat_ids == e).nonzero(as_tuple=True)[0]
         yield e, sel, flat_rows[sel]
+
+
+def expert_groups(topk_ids: torch.Tensor, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of ``topk_ids [T, k]`` grouped by expert, with device ops only
+    (no host synchronisation, so it can run inside a CUDA graph).
+
+    Returns ``order [T * k]`` int64, the flattened pair indices sorted by expert (stable:
+    ascending pair index within an expert; pairs whose expert is outside ``experts`` come
+    last), and ``offsets [len(experts) + 1]`` int64: the pairs of expert
+    ``experts.start + i`` are ``order[offsets[i]:offsets[i + 1]]``, and ``offsets[-1]`` is
+    the number of pairs this rank computes. ``expert_choices`` is the same grouping
+    expert by expert."""
+    n = len(experts)
+    local = topk_ids.reshape(-1) - experts.start
+    key = torch.where((local >= 0) & (local < n), local, n)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=key.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=key.device)
+    torch.cumsum(counts[:n], 0, out=offsets[1:])
+    return order, offsets
+
+
+def sum_in_expert_order(y: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y [T, k, D]`` (one row per token and slot) rounded to ``dtype`` and summed over a
+    token's slots in ascending expert id, from zero, in ``y``'s dtype: the order in which
+    ``moe_forward`` adds expert outputs, so the sums agree bit for bit. Device ops only."""
+    order = torch.sort(topk_ids, dim=-1, stable=True).indices
+    picked = y.gather(1, order.unsqueeze(-1).expand_as(y)).to(dtype).to(y.dtype)
+    out = torch.zeros(y.shape[0], y.shape[2], dtype=y.dtype, device=y.device)
+    for j in range(y.shape[1]):
+        out += picked[:, j]
+    return out
 
 
 def moe_forward(

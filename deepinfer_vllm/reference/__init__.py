@@ -5,6 +5,6 @@ KV cache, composing the per-operator references of ``deepinfer_vllm.ops``. The v
 class is checked against it token for token.
 """
 
-from deepinfer_vllm.reference.model import YOCO_MODES, ForwardTrace, ReferenceV41
+from deepinfer_vllm.reference.model import TRUNCATION_MODES, ForwardTrace, ReferenceV41
 
-__all__ = ["YOCO_MODES", "ForwardTrace", "ReferenceV41"]
+__all__ = ["TRUNCATION_MODES", "ForwardTrace", "ReferenceV41"]

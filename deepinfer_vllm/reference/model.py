@@ -33,15 +33,15 @@ Numerics (what the vLLM model reproduces)
     pre-start slots, XOR-rolling hash, FP8 row lookup dequantised to ``dtype``, ``wkv`` and
     the signed-sqrt gate, applied to the streams entering the layer.
 
-Decoder truncation ("YOCO", design §3)
-  ``yoco_mode="off"``: every layer on every row (training / NeMo semantics).
-  ``yoco_mode="mask"`` with ``keep_tokens=K`` (``K >= sliding_window``) and ``data_len = T``:
+Prefill truncation of the decoder half (design §3)
+  ``truncation_mode="off"``: every layer on every row (training / NeMo semantics).
+  ``truncation_mode="mask"`` with ``keep_tokens=K`` (``K >= sliding_window``) and ``data_len = T``:
   in every decoder layer (``role.is_decoder``; the first decoder layer included) the window
   of every row is clipped to ``[max(p - W + 1, data_len - K), p]``. Rows with
   ``p < data_len - K`` see an empty window (only their compressed top-k and the sink). The
   compressed KV and index keys of the first decoder layer (the decoder's only KV source) are
   still computed from every row, so the global path is untouched.
-  ``yoco_mode="compact"``: the same visibility, but from the first decoder layer's attention
+  ``truncation_mode="compact"``: the same visibility, but from the first decoder layer's attention
   site on, only the kept rows ``p >= data_len - K`` are computed; that layer's mHC boundary
   (Engram, attention-site mix, attention norm) runs on all rows, and its compressor / index
   keys are built from all rows' attention inputs. Dropped rows' logits are returned as NaN.
@@ -106,9 +106,9 @@ from deepinfer_vllm.ops.quant import dequant_fp8_rows, mxfp4_qdq, mxfp8_qdq, nvf
 from deepinfer_vllm.ops.rope import apply_rope_tail, build_rope_cache
 from deepinfer_vllm.ops.sparse_attention import sparse_attention, window_indices
 
-__all__ = ["YOCO_MODES", "ForwardTrace", "ReferenceV41"]
+__all__ = ["TRUNCATION_MODES", "ForwardTrace", "ReferenceV41"]
 
-YOCO_MODES = ("off", "mask", "compact")
+TRUNCATION_MODES = ("off", "mask", "compact")
 
 # Checkpoint groups the text backbone never reads (DSpark stages, vision tower).
 _UNUSED_PREFIXES = (DSPARK_PREFIX, *VISION_PREFIXES)
@@ -281,7 +281,7 @@ class ReferenceV41:
     def forward(
         self,
         input_ids: torch.Tensor | Sequence[int],
-        yoco_mode: str = "off",
+        truncation_mode: str = "off",
         keep_tokens: int = 0,
         trace: ForwardTrace | None = None,
     ) -> torch.Tensor:
@@ -289,7 +289,9 @@ class ReferenceV41:
 
         In ``compact`` mode the rows the decoder did not compute are NaN.
         """
-        h = self.hidden_states(input_ids, yoco_mode=yoco_mode, keep_tokens=keep_tokens, trace=trace)
+        h = self.hidden_states(
+            input_ids, truncation_mode=truncation_mode, keep_tokens=keep_tokens, trace=trace
+        )
         with torch.no_grad(), self._threads():
             return gemm(h, self.w["head.weight"], torch.float32)
 
@@ -298,7 +300,7 @@ class ReferenceV41:
     def hidden_states(
         self,
         input_ids: torch.Tensor | Sequence[int],
-        yoco_mode: str = "off",
+        truncation_mode: str = "off",
         keep_tokens: int = 0,
         trace: ForwardTrace | None = None,
     ) -> torch.Tensor:
@@ -306,7 +308,7 @@ class ReferenceV41:
         ``compact`` forward dropped)."""
         ids = self._as_ids(input_ids)
         T = ids.numel()
-        h_rows, rows = self._run(ids, yoco_mode, keep_tokens, trace)
+        h_rows, rows = self._run(ids, truncation_mode, keep_tokens, trace)
         if rows.numel() == T:
             return h_rows
         out = torch.full((T, h_rows.shape[-1]), float("nan"), dtype=h_rows.dtype)
@@ -318,21 +320,21 @@ class ReferenceV41:
         self,
         prompt_ids: torch.Tensor | Sequence[int],
         max_new_tokens: int,
-        yoco_mode: str = "off",
+        truncation_mode: str = "off",
         keep_tokens: int = 0,
         stop_at_eos: bool = False,
     ) -> list[int]:
         """Greedy continuation: re-runs the full forward over prompt + generated tokens for
         every new token and appends the argmax (lowest id on ties) of the last row.
 
-        Returns only the new tokens. The YOCO settings apply to every forward, with
+        Returns only the new tokens. The prefill truncation settings apply to every forward, with
         ``data_len`` = the current length (what an engine does when each step is a fresh
         prefill of the whole sequence).
         """
         seq = self._as_ids(prompt_ids).tolist()
         out: list[int] = []
         for _ in range(max_new_tokens):
-            logits = self.forward(seq, yoco_mode=yoco_mode, keep_tokens=keep_tokens)
+            logits = self.forward(seq, truncation_mode=truncation_mode, keep_tokens=keep_tokens)
             tok = int(torch.argmax(logits[-1]).item())
             out.append(tok)
             seq.append(tok)
@@ -353,11 +355,11 @@ class ReferenceV41:
             raise ValueError("token id outside the vocabulary")
         return ids
 
-    def _yoco_lo(self, T: int, yoco_mode: str, keep_tokens: int) -> int:
+    def _truncation_lo(self, T: int, truncation_mode: str, keep_tokens: int) -> int:
         """Lowest window position of decoder layers (0 = no clipping)."""
-        if yoco_mode not in YOCO_MODES:
-            raise ValueError(f"yoco_mode must be one of {YOCO_MODES}, got {yoco_mode!r}")
-        if yoco_mode == "off":
+        if truncation_mode not in TRUNCATION_MODES:
+            raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {truncation_mode!r}")
+        if truncation_mode == "off":
             return 0
         late = [r.layer_id for r in self.arch.roles if r.is_decoder and r.is_kv_source]
         if late and late != [self.arch.first_decoder_layer]:
@@ -384,19 +386,19 @@ class ReferenceV41:
             torch.set_num_threads(previous)
 
     def _run(
-        self, ids: torch.Tensor, yoco_mode: str, keep_tokens: int, trace: ForwardTrace | None
+        self, ids: torch.Tensor, truncation_mode: str, keep_tokens: int, trace: ForwardTrace | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the stack; returns the final hidden rows and their positions."""
         with torch.no_grad(), self._threads():
-            return self._run_stack(ids, yoco_mode, keep_tokens, trace)
+            return self._run_stack(ids, truncation_mode, keep_tokens, trace)
 
     def _run_stack(
-        self, ids: torch.Tensor, yoco_mode: str, keep_tokens: int, trace: ForwardTrace | None
+        self, ids: torch.Tensor, truncation_mode: str, keep_tokens: int, trace: ForwardTrace | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.arch
         T = ids.numel()
-        lo = self._yoco_lo(T, yoco_mode, keep_tokens)
-        compact = yoco_mode == "compact" and lo > 0
+        lo = self._truncation_lo(T, truncation_mode, keep_tokens)
+        compact = truncation_mode == "compact" and lo > 0
 
         pos = torch.arange(T, dtype=torch.long)
         is_image = ids == a.image_token_id

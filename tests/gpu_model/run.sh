@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # On the GPU host, from the repository root, with build/gpu_carry carried (tests/gpu_model/carry.py):
-# unpack vLLM's sources and the missing wheels under /tmp, then run the model-class tests.
+# unpack vLLM's sources and the missing wheels under /tmp, then run the model-class tests
+# (pytest arguments may name test files; default: all of tests/gpu_model), or with
+# `--python SCRIPT ARGS...` a script in the same environment (e.g. sync_inventory.py).
 set -euo pipefail
-rm -rf /tmp/gpu_model_deps /tmp/gpu_model_vllm && mkdir -p /tmp/gpu_model_deps /tmp/gpu_model_vllm
-python -m pip install --quiet --no-deps --no-index --target /tmp/gpu_model_deps build/gpu_carry/wheels/*.whl
-tar -xJf build/gpu_carry/vllm_src.tar.xz -C /tmp/gpu_model_vllm
+if [ ! -d /tmp/gpu_model_vllm/vllm ]; then
+  rm -rf /tmp/gpu_model_deps /tmp/gpu_model_vllm && mkdir -p /tmp/gpu_model_deps /tmp/gpu_model_vllm
+  python -m pip install --quiet --no-deps --no-index --target /tmp/gpu_model_deps build/gpu_carry/wheels/*.whl
+  tar -xJf build/gpu_carry/vllm_src.tar.xz -C /tmp/gpu_model_vllm
+fi
 export PYTHONPATH="/tmp/gpu_model_vllm:$PWD:/tmp/gpu_model_deps"
-python -m pytest tests/gpu_model -q -p no:cacheprovider "$@"
+if [ "${1:-}" = "--python" ]; then
+  shift
+  exec python "$@"
+fi
+targets=()
+for a in "$@"; do [[ "$a" == tests/* ]] && targets+=("$a"); done
+[ ${#targets[@]} -eq 0 ] && set -- tests/gpu_model "$@"
+python -m pytest -p no:cacheprovider "$@"

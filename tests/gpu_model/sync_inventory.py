@@ -1,8 +1,9 @@
 """Where the model's decode step waits for the host on a GPU (run on the GPU host through
 ``run.sh``'s environment: ``PYTHONPATH=... python tests/gpu_model/sync_inventory.py``).
 
-Runs one prefill of two requests, then one decode step with
-``torch.cuda.set_sync_debug_mode("warn")``, and prints every synchronising call site in
+Runs one prefill of two requests, then one decode step whose forward and logits run with
+``torch.cuda.set_sync_debug_mode("warn")`` (inputs and metadata prepared before, as vLLM's
+runner does), and prints every synchronising call site in
 ``deepinfer_vllm`` (file:line, count), innermost frame of ours first. This is the list a
 device-clean decode step has to empty (issue 22).
 """
@@ -46,11 +47,13 @@ def main() -> None:
         )
         sites[where] += 1
 
+    prepared = harness.prepare([("a", [7]), ("b", [8])])  # the runner's host part
+    torch.cuda.synchronize()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
-        harness.step([("a", [7]), ("b", [8])])
+        harness.run(prepared)
         torch.cuda.set_sync_debug_mode("default")
     print(f"decode step of 2 requests: {sum(sites.values())} synchronising calls at {len(sites)} sites")
     for where, n in sites.most_common():

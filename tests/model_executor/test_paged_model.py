@@ -7,7 +7,6 @@ These run the model in-process (``v41_harness``), without the engine.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -71,7 +70,7 @@ def test_small_preset_chunked_equals_reference(tmp_path_factory):
     assert torch.equal(got, ref.forward(prompt))
 
 
-def test_yoco_mask_and_compact_are_bit_identical(tiny_checkpoint, tiny_reference, monkeypatch):
+def test_prefill_truncation_mask_and_compact_are_bit_identical(tiny_checkpoint, tiny_reference, monkeypatch):
     """DeepInfer's prefill truncation: ``mask`` and ``compact`` agree bit for bit on
     every row they both compute, and both equal the reference in that mode."""
     prompt, keep = _prompt(80, 6), 20
@@ -81,7 +80,7 @@ def test_yoco_mask_and_compact_are_bit_identical(tiny_checkpoint, tiny_reference
         monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", mode)
         harness = PagedHarness(tiny_checkpoint, dtype="float32")
         logits[mode] = _run_chunks(harness, mode, prompt, [33, 30, 17], prompt_len=len(prompt))
-        ref = tiny_reference.forward(prompt, yoco_mode=mode, keep_tokens=keep)
+        ref = tiny_reference.forward(prompt, truncation_mode=mode, keep_tokens=keep)
         kept = slice(len(prompt) - keep, None)
         assert torch.equal(logits[mode][kept], ref[kept])
     kept = slice(len(prompt) - keep, None)
@@ -89,7 +88,9 @@ def test_yoco_mask_and_compact_are_bit_identical(tiny_checkpoint, tiny_reference
     # The measured cost of truncation (recorded in the issue note): the last
     # row's logits move, but the approximation stays close to the full prefill.
     diff = (logits["mask"][-1] - logits["off"][-1]).abs().max().item()
-    print(f"YOCO mask vs off, last row, max |dlogit| = {diff:.4f} (keep={keep}, T={len(prompt)})")
+    print(
+        f"prefill truncation mask vs off, last row, max |dlogit| = {diff:.4f} (keep={keep}, T={len(prompt)})"
+    )
     assert 0 < diff < 5
 
 

@@ -3,7 +3,9 @@
 No engine, no scheduler: the harness builds the model under a real
 ``VllmConfig``, allocates every cache layer's ``[blocks, 1, states, bytes]``
 tensor from its own KV cache spec, hands out blocks per request and group,
-and builds the per-layer step metadata. Tests use it to compare the paged
+and builds the per-layer step metadata through the backend's own builder
+from the common metadata vLLM's runner would hand it (device tensors, host
+ints). Tests use it to compare the paged
 model against the full-sequence reference at any chunking, cheaply.
 """
 
@@ -15,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
-
 from vllm.config import set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.forward_context import set_forward_context
 from vllm.utils.torch_utils import set_default_torch_dtype
+from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
+from deepinfer_vllm.attention_backends.mla_swa import V41MetadataBuilder
 from deepinfer_vllm.model_executor.models.deepseek_v41 import DeepseekV41ForCausalLM
 
 
@@ -62,13 +64,20 @@ class PagedHarness:
 
         deepinfer_vllm.register()
         args = EngineArgs(
-            model=model_dir, dtype=dtype, max_model_len=1024, block_size=block_size,
+            model=model_dir,
+            dtype=dtype,
+            max_model_len=1024,
+            block_size=block_size,
             speculative_config=speculative_config,
         )
         self.cfg = args.create_engine_config()
         self.device = torch.device(device)
         # As vLLM's loader does: the model dtype (and device) are torch's defaults while building.
-        with set_current_vllm_config(self.cfg), set_default_torch_dtype(self.cfg.model_config.dtype), self.device:
+        with (
+            set_current_vllm_config(self.cfg),
+            set_default_torch_dtype(self.cfg.model_config.dtype),
+            self.device,
+        ):
             single_rank_groups()
             self.model = DeepseekV41ForCausalLM(vllm_config=self.cfg)
             self.model.load_weights(self._weights(model_dir))
@@ -77,7 +86,12 @@ class PagedHarness:
         for layer in self.model.cache_layers.values():
             spec = layer.get_kv_cache_spec(self.cfg)
             cache = torch.zeros(
-                num_blocks, 1, spec.num_states, spec.state_content_size_bytes, dtype=torch.uint8, device=self.device
+                num_blocks,
+                1,
+                spec.num_states,
+                spec.state_content_size_bytes,
+                dtype=torch.uint8,
+                device=self.device,
             )
             if spec.dtype != torch.uint8:
                 cache = cache.view(spec.dtype)
@@ -85,6 +99,7 @@ class PagedHarness:
         # One block counter per cache (block 0 is vLLM's null block).
         self._next_block = defaultdict(lambda: itertools.count(1))
         self.requests: dict[str, _Request] = {}
+        self._builders: dict[str, V41MetadataBuilder] = {}
 
     @staticmethod
     def _weights(model_dir: str):
@@ -105,6 +120,24 @@ class PagedHarness:
 
         ``prompt_lens`` (per chunk) is what DeepInfer's runner passes; default:
         each request's length after this step."""
+        return self.run(self.prepare(chunks, prompt_lens))
+
+    def run(self, prepared: tuple) -> torch.Tensor:
+        """The device part of a step (the model's forward and logits) on prepared inputs."""
+        ids, positions, metadata = prepared
+        with set_forward_context(metadata, self.cfg):
+            hidden = self.model(ids, positions)
+        return self.model.compute_logits(hidden)
+
+    def prepare(
+        self,
+        chunks: list[tuple[str, list[int]]],
+        prompt_lens: list[int] | None = None,
+        table_width: int | None = None,
+    ) -> tuple:
+        """The host part of a step, as vLLM's runner does it before the forward: block
+        tables, inputs and metadata on the device. Returns ``(ids, positions, metadata)``.
+        ``table_width``: block-table columns (default: the widest request's blocks)."""
         ids, positions, qsl, seq_lens, ctx_lens = [], [], [0], [], []
         for rid, new in chunks:
             req = self.requests.setdefault(rid, _Request())
@@ -115,12 +148,11 @@ class PagedHarness:
             qsl.append(qsl[-1] + len(new))
             seq_lens.append(len(req.tokens))
             ctx_lens.append(start)
-        # As vLLM's builder hands them over: positions and block tables on the model's
-        # device, the per-request host tensors on the CPU.
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        token_req = torch.repeat_interleave(
-            torch.arange(len(chunks)), torch.tensor([len(c[1]) for c in chunks])
-        )
+        dev = self.device
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        prompt_lens_t = torch.tensor(prompt_lens if prompt_lens is not None else seq_lens, device=dev)
         metadata = {}
         for name, layer in self.model.cache_layers.items():
             ring = layer.kind == "ring"
@@ -128,28 +160,31 @@ class PagedHarness:
                 self._blocks_for(self.requests[rid], name, len(self.requests[rid].tokens), ring)
                 for rid, _ in chunks
             ]
-            width = max(len(t) for t in tables)
-            table = torch.zeros(len(chunks), width, dtype=torch.int64)
+            width = table_width or max(len(t) for t in tables)
+            table = torch.zeros(len(chunks), width, dtype=torch.int32)
             for i, t in enumerate(tables):
                 table[i, : len(t)] = torch.tensor(t)
-            table = table.to(self.device)
-            metadata[name] = V41StepMetadata(
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl_cpu.to(dev),
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens=seq_lens_cpu.to(dev),
                 num_reqs=len(chunks),
                 num_actual_tokens=len(ids),
-                query_start_loc=torch.tensor(qsl),
-                seq_lens=torch.tensor(seq_lens),
-                context_lens=torch.tensor(ctx_lens),
+                max_query_len=max(len(c[1]) for c in chunks),
+                max_seq_len=max(seq_lens),
+                block_table_tensor=table.to(dev),
+                slot_mapping=torch.zeros(len(ids), dtype=torch.int64, device=dev),
                 positions=positions_t,
-                token_req=token_req,
-                block_table=table,
-                block_size=layer.get_kv_cache_spec(self.cfg).block_size,
-                prompt_lens=torch.tensor(prompt_lens if prompt_lens is not None else seq_lens),
             )
-        with set_forward_context(metadata, self.cfg):
-            hidden = self.model(torch.tensor(ids, device=self.device), positions_t)
+            builder = self._builders.get(name)
+            if builder is None:  # one per cache, kept across steps as vLLM keeps its builders
+                builder = V41MetadataBuilder(layer.get_kv_cache_spec(self.cfg), [name], self.cfg, dev)
+                self._builders[name] = builder
+            metadata[name] = builder.build(0, common)
+            metadata[name].prompt_lens = prompt_lens_t
         self.last_metadata = metadata
         self.last_request_ids = [rid for rid, _ in chunks]
-        return self.model.compute_logits(hidden)
+        return torch.tensor(ids, device=dev), positions_t, metadata
 
     def draft_block(self, rids: list[str], bonus: list[int], k: int):
         """DSpark's parallel draft forward for requests of the last step (anchored at

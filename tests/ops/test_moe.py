@@ -4,7 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer_vllm.ops.moe import expert_mlp, moe_forward, route_sqrtsoftplus, swiglu_clamped
+from deepinfer_vllm.ops.moe import (
+    expert_choices,
+    expert_groups,
+    expert_mlp,
+    moe_forward,
+    route_sqrtsoftplus,
+    sum_in_expert_order,
+    swiglu_clamped,
+)
 
 
 def _sqsp(v):
@@ -40,7 +48,9 @@ def test_bias_steers_selection_but_not_weights():
         assert ids[t, 1:].tolist() == rest
         chosen = [s[e] for e in ids[t].tolist()]
         want = [1.5 * v / sum(chosen) for v in chosen]  # unbiased scores, renormalised
-        torch.testing.assert_close(w[t].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            w[t].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6
+        )
     # no renormalisation: weights are the raw unbiased scores times the factor
     w2, _ = route_sqrtsoftplus(x, gate, bias, 3, 1.5, norm_topk_prob=False)
     torch.testing.assert_close(w2, 1.5 * F.softplus(x.float() @ gate.float().t()).sqrt().gather(1, ids))
@@ -65,7 +75,9 @@ def test_swiglu_clamp_limits():
     torch.testing.assert_close(out, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     assert out.dtype == torch.float64
     # gate is only clamped from above: a very negative gate is NOT raised to -limit
-    assert swiglu_clamped(torch.tensor([-20.0]), torch.tensor([1.0]), 10.0).item() == pytest.approx(silu(-20.0))
+    assert swiglu_clamped(torch.tensor([-20.0]), torch.tensor([1.0]), 10.0).item() == pytest.approx(
+        silu(-20.0)
+    )
 
 
 def _naive_moe(x, tw, tid, w1, w3, w2, limit, shared):
@@ -110,3 +122,37 @@ def test_moe_forward_against_loop(dtype):
     y0 = moe_forward(x[:1], tw[:1], tid[:1], w1, w3, w2, 2.0)
     e = tid[0, 0].item()
     torch.testing.assert_close(y0, expert_mlp(x[:1], w1[e], w3[e], w2[e], 2.0, row_weight=tw[:1, 0]))
+
+
+def test_expert_groups_match_expert_choices():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 12, (9, 3), generator=g)
+    ids[2, 1] = -1  # a padding slot belongs to no expert
+    experts = range(4, 10)  # this rank's experts; the others' pairs go last
+    order, offsets = expert_groups(ids, experts)
+    assert order.dtype == offsets.dtype == torch.int64 and offsets.shape == (len(experts) + 1,)
+    want = list(expert_choices(ids, experts))
+    flat = ids.reshape(-1)
+    for i, e in enumerate(experts):
+        got = order[offsets[i] : offsets[i + 1]]
+        match = [sel for ee, sel, _ in want if ee == e]
+        assert got.tolist() == (match[0].tolist() if match else [])
+    assert sorted(order.tolist()) == list(range(ids.numel()))  # a permutation
+    rest = order[offsets[-1] :]
+    assert all(not (4 <= v < 10) for v in flat[rest].tolist())
+    assert rest.tolist() == sorted(rest.tolist())  # stable: ascending pair index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_in_expert_order_is_the_reference_order(dtype):
+    g = torch.Generator().manual_seed(8)
+    T, k, D = 6, 4, 5
+    ids = torch.stack([torch.randperm(9, generator=g)[:k] for _ in range(T)])
+    acc = torch.float64 if dtype == torch.float32 else torch.float32
+    y = (torch.randn(T, k, D, generator=g, dtype=torch.float64) * 1e3).to(acc)
+    got = sum_in_expert_order(y, ids, dtype)
+    want = torch.zeros(T, D, dtype=acc)  # the reference: index_add_ per expert, ascending
+    flat = y.reshape(T * k, D)
+    for e, sel, rows in expert_choices(ids, range(9)):
+        want.index_add_(0, rows, flat[sel].to(dtype).to(acc))
+    assert torch.equal(got, want)

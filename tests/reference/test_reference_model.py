@@ -177,19 +177,19 @@ def test_window_chain_bounds_reach_without_compressed_path(model, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Decoder truncation (YOCO, design §3)
+# Prefill truncation of the decoder half (design §3)
 # ---------------------------------------------------------------------------------------------
 
 
-def test_yoco_is_identity_when_everything_is_kept(model):
+def test_prefill_truncation_is_identity_when_everything_is_kept(model):
     ids = _prompt(20, seed=3)
     off = model.forward(ids)
-    assert torch.equal(model.forward(ids, yoco_mode="mask", keep_tokens=20), off)
-    assert torch.equal(model.forward(ids, yoco_mode="mask", keep_tokens=30), off)
-    assert torch.equal(model.forward(ids, yoco_mode="compact", keep_tokens=30), off)
+    assert torch.equal(model.forward(ids, truncation_mode="mask", keep_tokens=20), off)
+    assert torch.equal(model.forward(ids, truncation_mode="mask", keep_tokens=30), off)
+    assert torch.equal(model.forward(ids, truncation_mode="compact", keep_tokens=30), off)
 
 
-def test_yoco_mask_vs_off(model, monkeypatch):
+def test_prefill_truncation_mask_vs_off(model, monkeypatch):
     """Mask mode changes only the decoder's windows: the streams entering every layer up to
     and including the first decoder layer are bit-identical, and row p of the logits is
     unchanged as soon as its receptive field through the n_dec decoder windows stays inside
@@ -203,7 +203,7 @@ def test_yoco_mask_vs_off(model, monkeypatch):
     ids = _prompt(T, seed=4)
     t_off, t_mask = ForwardTrace(), ForwardTrace()
     off = model.forward(ids, trace=t_off)
-    mask = model.forward(ids, yoco_mode="mask", keep_tokens=K, trace=t_mask)
+    mask = model.forward(ids, truncation_mode="mask", keep_tokens=K, trace=t_mask)
     first = a.first_decoder_layer
     for layer in range(first + 1):
         assert torch.equal(t_off.entry_streams[layer], t_mask.entry_streams[layer]), layer
@@ -213,13 +213,13 @@ def test_yoco_mask_vs_off(model, monkeypatch):
     assert d[lo:exact_from].max() > CHANGED  # the clipped windows matter inside it too
 
     _quantisers_off(monkeypatch)
-    d = _row_diff(model.forward(ids), model.forward(ids, yoco_mode="mask", keep_tokens=K))
+    d = _row_diff(model.forward(ids), model.forward(ids, truncation_mode="mask", keep_tokens=K))
     assert d[exact_from:].max() <= ULP_TOL, d[exact_from:]
     # Tight to one window: with one decoder layer fewer these rows would be exact as well.
     assert d[exact_from - (W - 1) : exact_from].max() > CHANGED
 
 
-def test_yoco_compact_matches_mask(model, monkeypatch):
+def test_prefill_truncation_compact_matches_mask(model, monkeypatch):
     """``compact`` = ``mask`` on the kept rows, NaN elsewhere; the decoder ran on the kept
     rows only. Bit-identical with batch-invariant kernels; here the kept rows are computed in
     smaller batches, so the equality is checked with the quantisers off (module docstring)."""
@@ -227,9 +227,9 @@ def test_yoco_compact_matches_mask(model, monkeypatch):
     T, K = 80, 30
     lo = T - K
     ids = _prompt(T, seed=5)
-    mask = model.forward(ids, yoco_mode="mask", keep_tokens=K)
+    mask = model.forward(ids, truncation_mode="mask", keep_tokens=K)
     t_c = ForwardTrace()
-    compact = model.forward(ids, yoco_mode="compact", keep_tokens=K, trace=t_c)
+    compact = model.forward(ids, truncation_mode="compact", keep_tokens=K, trace=t_c)
     assert compact.shape == mask.shape
     assert torch.isnan(compact[:lo]).all()
     assert torch.isfinite(compact[lo:]).all()
@@ -237,24 +237,24 @@ def test_yoco_compact_matches_mask(model, monkeypatch):
     assert t_c.entry_streams[a.first_decoder_layer].shape[0] == T  # its KV write saw every row
     assert t_c.entry_streams[a.first_decoder_layer + 1].shape[0] == K
     assert (compact[lo:].argmax(-1) == mask[lo:].argmax(-1)).float().mean() >= 0.9
-    assert torch.isnan(model.hidden_states(ids, yoco_mode="compact", keep_tokens=K)[:lo]).all()
+    assert torch.isnan(model.hidden_states(ids, truncation_mode="compact", keep_tokens=K)[:lo]).all()
 
     _quantisers_off(monkeypatch)
-    mask = model.forward(ids, yoco_mode="mask", keep_tokens=K)
-    compact = model.forward(ids, yoco_mode="compact", keep_tokens=K)
+    mask = model.forward(ids, truncation_mode="mask", keep_tokens=K)
+    compact = model.forward(ids, truncation_mode="compact", keep_tokens=K)
     torch.testing.assert_close(compact[lo:], mask[lo:], atol=ULP_TOL, rtol=0)
     prompt = _prompt(40, seed=6)
-    assert model.greedy_generate(prompt, 6, yoco_mode="compact", keep_tokens=16) == model.greedy_generate(
-        prompt, 6, yoco_mode="mask", keep_tokens=16
-    )
+    assert model.greedy_generate(
+        prompt, 6, truncation_mode="compact", keep_tokens=16
+    ) == model.greedy_generate(prompt, 6, truncation_mode="mask", keep_tokens=16)
 
 
-def test_yoco_arguments_are_checked(model):
+def test_prefill_truncation_arguments_are_checked(model):
     ids = _prompt(12, seed=7)
     with pytest.raises(ValueError, match="keep_tokens"):
-        model.forward(ids, yoco_mode="mask", keep_tokens=model.arch.sliding_window - 1)
-    with pytest.raises(ValueError, match="yoco_mode"):
-        model.forward(ids, yoco_mode="replay", keep_tokens=16)
+        model.forward(ids, truncation_mode="mask", keep_tokens=model.arch.sliding_window - 1)
+    with pytest.raises(ValueError, match="truncation_mode"):
+        model.forward(ids, truncation_mode="replay", keep_tokens=16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,12 +11,19 @@ are decoded and multiplied a row block at a time, so it never holds more than
 ``WORKSPACE_ELEMENTS`` values per decode (splitting the output rows of a GEMM leaves
 every output element's sum unchanged). The multiply is ``ops.numerics.matmul``
 (fixed row tiles in batch-invariant mode).
+
+FP8 and FP4 GEMMs take their activations as ``DEEPINFER_GEMM_ACTIVATIONS``
+says (as computed, or MXFP8-quantised as DeepInfer does), and on CUDA run the
+Triton kernels where ``choose_gemm_kernels`` picks them (bf16 models); the
+decode-and-multiply here is their reference path.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer_vllm import envs
+from deepinfer_vllm.attention_backends.kernel_select import choose_gemm_kernels
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.numerics import acc_dtype, matmul
 
@@ -28,7 +35,9 @@ __all__ = [
     "decode_stored",
     "gemm_fp4",
     "gemm_fp8",
+    "gemm_input",
     "gemm_stored",
+    "use_gemm_kernels",
     "workspace",
 ]
 
@@ -100,12 +109,29 @@ def _gemm_blocks(x: torch.Tensor, rows: int, cols: int, align: int, decode, out_
     return out
 
 
+def gemm_input(x: torch.Tensor) -> torch.Tensor:
+    """The activations an FP8 / FP4 weight GEMM multiplies: ``x``, or its MXFP8
+    quantise-dequantise (``DEEPINFER_GEMM_ACTIVATIONS=mxfp8``)."""
+    return quant.mxfp8_qdq(x) if envs.gemm_activations() == "mxfp8" else x
+
+
+def use_gemm_kernels(x: torch.Tensor) -> bool:
+    """Whether the weight GEMMs of activations ``x`` run the Triton kernels."""
+    return choose_gemm_kernels(x.device, x.dtype) == "triton"
+
+
 def gemm_fp8(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """``x @ W.T`` for an FP8 block-scaled ``W``: accumulated in ``acc_dtype(x.dtype)``,
     rounded once to ``out_dtype`` (default ``x.dtype``), as ``ops.numerics.gemm``."""
     rows, cols = weight.shape
+    if use_gemm_kernels(x):
+        from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm
+
+        y = fp8_block_gemm(x.reshape(-1, cols), weight, scale, envs.gemm_activations(), out_dtype or x.dtype)
+        return y.view(*x.shape[:-1], rows)
+    x = gemm_input(x)
 
     def decode(lo, hi, dtype):
         return decode_fp8_block(weight[lo:hi], scale[lo // FP8_TILE : -(-hi // FP8_TILE)], dtype)
@@ -118,6 +144,7 @@ def gemm_fp4(
 ) -> torch.Tensor:
     """``x @ W.T`` for a routed expert's packed E2M1 ``W`` (UE8M0 per 1x32), same rules."""
     rows, cols = weight.shape[0], 2 * weight.shape[1]
+    x = gemm_input(x)
 
     def decode(lo, hi, dtype):
         return decode_fp4_rows(weight[lo:hi], scale[lo:hi], dtype)

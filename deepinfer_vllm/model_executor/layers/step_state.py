@@ -27,7 +27,9 @@ class StepState:
     seq_lens: torch.Tensor  # [R] int64
     context_lens: torch.Tensor  # [R] int64
     num_reqs: int
-    # YOCO truncation: first position whose decoder-layer window KV exists
+    max_seq_len: int = 0  # host upper bound of ``seq_lens`` (0: unknown)
+    max_query_len: int = 0  # host upper bound of any request's tokens in the step (0: unknown)
+    # Prefill truncation: first position whose decoder-layer window KV exists
     # (per token), or None when truncation is off.
     decoder_window_start: torch.Tensor | None = None
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -39,14 +41,15 @@ class StepState:
     @classmethod
     def from_metadata(cls, attn_metadata: dict, any_layer: str) -> "StepState":
         meta = attn_metadata[any_layer]
-        device = meta.positions.device  # the model's: per-token and per-request tensors live there
         return cls(
             attn_metadata=attn_metadata,
             positions=meta.positions,
-            token_req=meta.token_req.to(device),
-            seq_lens=meta.seq_lens.to(device),
-            context_lens=meta.context_lens.to(device),
+            token_req=meta.token_req,
+            seq_lens=meta.seq_lens,
+            context_lens=meta.context_lens,
             num_reqs=meta.num_reqs,
+            max_seq_len=meta.max_seq_len,
+            max_query_len=meta.max_query_len,
         )
 
     @classmethod
@@ -87,6 +90,8 @@ class StepState:
             seq_lens=self.seq_lens,
             context_lens=self.context_lens,
             num_reqs=self.num_reqs,
+            max_seq_len=self.max_seq_len,
+            max_query_len=self.max_query_len,
             decoder_window_start=(
                 None if self.decoder_window_start is None else self.decoder_window_start[rows]
             ),

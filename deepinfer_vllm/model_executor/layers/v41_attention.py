@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear
 
@@ -101,15 +100,23 @@ class V41Attention(nn.Module):
         self.wq_a = _replicated(a.hidden_size, a.q_lora_rank, quant_config, f"{prefix}.wq_a")
         self.q_norm = V41Norm(a.q_lora_rank, a.rms_norm_eps)
         self.wq_b = ColumnParallelLinear(
-            a.q_lora_rank, a.num_heads * a.head_dim, bias=False, quant_config=quant_config,
-            prefix=f"{prefix}.wq_b", return_bias=False,
+            a.q_lora_rank,
+            a.num_heads * a.head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.wq_b",
+            return_bias=False,
         )
         self.wkv = _replicated(a.hidden_size, a.head_dim, quant_config, f"{prefix}.wkv")
         self.kv_norm = V41Norm(a.head_dim, a.rms_norm_eps)
         # Grouped output projection: each output group reads its own heads.
         self.wo_a = ColumnParallelLinear(
-            a.num_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank, bias=False,
-            quant_config=quant_config, prefix=f"{prefix}.wo_a", return_bias=False,
+            a.num_heads * a.head_dim // a.o_groups,
+            a.o_groups * a.o_lora_rank,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.wo_a",
+            return_bias=False,
         )
         self.wo_b = V41RowParallelLinear(
             a.o_groups * a.o_lora_rank, a.hidden_size, quant_config=quant_config, prefix=f"{prefix}.wo_b"
@@ -247,7 +254,13 @@ class V41Attention(nn.Module):
         return self._kernels == "triton"
 
     def write_compressed(self, x: torch.Tensor, state: StepState) -> None:
-        """Compressed KV + index key of every group completed in this step."""
+        """Compressed KV + index key of every group completed in this step.
+
+        The reference path computes the groups the step closes; the kernel path
+        computes a candidate group for every token and stores only the closed
+        ones (slot -1 for the others), so its sizes never depend on device
+        values (no host synchronisation, capturable in a CUDA graph).
+        """
         a = self.arch
         r = self.role.ratio
         comp = self.compressor
@@ -255,6 +268,7 @@ class V41Attention(nn.Module):
         dev = x.device
         pos = state.positions.to(dev)
         req = state.token_req.to(dev)
+        keep = None
         if r == 1:
             lat = linear(comp.wkv, x)
             entry_req, entry = req, pos
@@ -263,32 +277,32 @@ class V41Attention(nn.Module):
             g = linear(comp.wgate, x, torch.float32)
             rows = torch.cat([u, g], dim=-1)
             ring = RingView(self.ring_cache, state)
-            on_ring = ring.rows.device
-            closes = (pos % 2) == 1
-            entry_req = req[closes]
-            second = pos[closes]
             # A pair's first token is in this step's rows, or (pair split
             # across steps) in the ring, read before this step overwrites it.
-            row_of = torch.arange(pos.shape[0], device=dev)[closes]
-            in_step = (second - 1) >= state.context_lens.to(dev)[entry_req]
+            prev = torch.arange(pos.shape[0], device=dev) - 1
+            in_step = (pos - 1) >= state.context_lens[req]
             first_rows = torch.where(
-                in_step.unsqueeze(1),
-                rows[(row_of - 1).clamp_min(0)],
-                ring.read(entry_req.to(on_ring), (second - 1).to(on_ring)).to(dev),
+                in_step.unsqueeze(1), rows[prev.clamp_min(0)], ring.read(req, (pos - 1).clamp_min(0))
             )
-            # Keep only each request's last rows: ring slots are position
-            # modulo its capacity, so older rows of a long chunk would collide.
-            recent = pos >= state.seq_lens.to(dev)[req] - ring.capacity
-            ring.write(req[recent].to(on_ring), pos[recent].to(on_ring), rows[recent].to(on_ring))
-            if entry_req.numel() == 0:
-                return
-            if kernels:
-                lat = _kernel_path().pool_pairs(first_rows.contiguous(), rows[closes].contiguous(), x.dtype)
+            if 0 < state.max_query_len <= ring.capacity:
+                ring.write(req, pos, rows)  # no request has more rows than the ring
             else:
-                pair_u = torch.stack([first_rows[:, : a.head_dim], u[closes]], dim=1)
-                pair_g = torch.stack([first_rows[:, a.head_dim :], g[closes]], dim=1)
+                # Keep only each request's last rows: ring slots are position
+                # modulo its capacity, so older rows of a long chunk would collide.
+                recent = pos >= state.seq_lens[req] - ring.capacity
+                ring.write(req[recent], pos[recent], rows[recent])
+            closes = (pos % 2) == 1
+            if kernels:
+                lat = _kernel_path().pool_pairs(first_rows.contiguous(), rows.contiguous(), x.dtype)
+                entry_req, entry, keep = req, pos // 2, closes
+            else:
+                entry_req = req[closes]
+                if entry_req.numel() == 0:
+                    return
+                pair_u = torch.stack([first_rows[closes, : a.head_dim], u[closes]], dim=1)
+                pair_g = torch.stack([first_rows[closes, a.head_dim :], g[closes]], dim=1)
                 lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1), acc_dtype(x.dtype)).to(x.dtype)
-            entry = second // 2
+                entry = pos[closes] // 2
         lat = comp.norm(lat)
         first_pos = entry * r
         idx = self.indexer
@@ -297,7 +311,7 @@ class V41Attention(nn.Module):
             view = PagedView(cache, state)
             rotated = self._rope(rows_out, first_pos)
             if kernels:
-                _kernel_path().store(view, entry_req, entry, rotated)
+                _kernel_path().store(view, entry_req, entry, rotated, keep=keep)
             else:
                 view.write(entry_req, entry, rotated)
 

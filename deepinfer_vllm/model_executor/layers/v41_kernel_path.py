@@ -4,8 +4,9 @@ Mirrors ``V41Attention``'s reference path step for step; only the three hot
 operators change: records are quantised and stored by ``store_records``
 (bit-exact), the indexer scores the paged MXFP4 keys and selects on the
 device (``indexer_topk``), and attention reads the MXFP8 / NVFP4 records
-straight from the pages (``sparse_mla_decode``). Host-side step metadata is
-moved to the activations' device here.
+straight from the pages (``sparse_mla_decode``). The step metadata is on the
+activations' device already; sizes come from host bounds, never from a
+device value.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def store(view: PagedView, req: torch.Tensor, entry: torch.Tensor, x: torch.Tens
     store_records(view.layer.kv_cache, view.layer.record, s, x.contiguous())
 
 
+def max_visible(state: StepState, ratio: int) -> int | None:
+    """Host upper bound of ``(positions + 1) // ratio`` over the step (None: unknown)."""
+    return state.max_seq_len // ratio if state.max_seq_len else None
+
+
 def select(attn: "V41Attention", x: torch.Tensor, c_q: torch.Tensor, state: StepState) -> torch.Tensor:
     """Top-k compressed entries of every token (-1 = none) from the paged index keys."""
     a = attn.arch
@@ -76,6 +82,8 @@ def select(attn: "V41Attention", x: torch.Tensor, c_q: torch.Tensor, state: Step
         candidate_block_size=a.candidate_block_size,
         candidate_topk_blocks=a.candidate_topk_blocks,
         out_dtype=x.dtype,
+        # A host bound on every token's visible entries: sizes without a sync.
+        max_visible=max_visible(state, r),
     )
     if kept is not None:
         state.candidates[KEPT_BLOCKS] = kept

@@ -10,6 +10,14 @@ accumulation dtype sums the ranks. Rounding follows ``ops.moe.moe_forward``
 and the shared expert summed in the accumulation dtype, one final rounding),
 so one rank computes exactly what the reference computes.
 
+Two ways to run the routed experts, with the same rounding points: expert
+by expert (the reference: each expert's rows found on the host), and grouped
+(``ops.moe.expert_groups`` sorts the (token, choice) pairs by expert on the
+device and one grouped GEMM per projection runs every local expert, with no
+host synchronisation; the Triton kernel on CUDA for bf16 models, see
+``dequant.use_gemm_kernels``). Sums over a token's experts run in ascending
+expert order in both (``ops.moe.sum_in_expert_order``).
+
 vLLM's FusedMoE has no CPU method for these formats, and its all-to-all
 needs collectives vLLM's CPU communicator lacks, so the MoE is ours; its
 collectives (all-gather, all-reduce) work on gloo and NCCL alike.
@@ -19,13 +27,19 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from vllm.model_executor.layers.linear import ColumnParallelLinear
 
-from deepinfer_vllm.model_executor.layers.dequant import gemm_fp4
+from deepinfer_vllm import envs
+from deepinfer_vllm.model_executor.layers.dequant import gemm_fp4, use_gemm_kernels
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenExchange
 from deepinfer_vllm.model_executor.layers.weights import V41RowParallelLinear, held
-from deepinfer_vllm.ops.moe import expert_choices, route_sqrtsoftplus, swiglu_clamped
+from deepinfer_vllm.ops.moe import (
+    expert_choices,
+    expert_groups,
+    route_sqrtsoftplus,
+    sum_in_expert_order,
+    swiglu_clamped,
+)
 from deepinfer_vllm.ops.numerics import acc_dtype
 
 _PROJECTIONS = ("w1", "w2", "w3")
@@ -112,15 +126,25 @@ class RoutedExperts(nn.Module):
         return gemm_fp4(act.to(x.dtype), self.w2[i], self.w2_scale[i], out_dtype)
 
     def partial(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        limit: float,
+        grouped: bool | None = None,
     ) -> torch.Tensor:
         """What this rank's experts contribute, in the accumulation dtype.
 
         Whole experts: ``[N, hidden]``, each expert's output rounded and summed
         over the token's experts (ascending ids). Split experts: the unrounded
         partial down projection of every (token, choice) ``[N * k, hidden]``,
-        to be summed over the ranks and then ``combine``d.
+        to be summed over the ranks and then ``combine``d. ``grouped`` picks the
+        grouped path (default: where the GEMM kernels run).
         """
+        if grouped is None:
+            grouped = use_gemm_kernels(x)
+        if grouped:
+            return self._partial_grouped(x, weights, ids, limit)
         acc = acc_dtype(x.dtype)
         flat_w = weights.reshape(-1).to(acc)
         rows_out = ids.numel() if self.split else ids.shape[0]
@@ -133,13 +157,38 @@ class RoutedExperts(nn.Module):
                 out.index_add_(0, rows, self._expert(i, x[rows], flat_w[sel], limit, x.dtype).to(acc))
         return out
 
+    def _partial_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float):
+        """``partial`` with every local expert in one grouped GEMM per projection."""
+        acc = acc_dtype(x.dtype)
+        n, k = ids.shape
+        order, offsets = expert_groups(ids, self.local)
+        gemm = _grouped_gemm(x)
+        act_mode = envs.gemm_activations()
+        gate_up = gemm(x[order // k], offsets, self.w13, self.w13_scale, act_mode, x.dtype)
+        gate, up = gate_up.split(self.width, dim=-1)
+        act = swiglu_clamped(gate, up, limit) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
+        # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero.
+        down = gemm(
+            act.to(x.dtype), offsets, self.w2, self.w2_scale, act_mode, acc if self.split else x.dtype
+        )
+        per_pair = torch.empty_like(down).index_copy_(0, order, down)
+        if self.split:
+            return per_pair
+        return sum_in_expert_order(per_pair.view(n, k, -1).to(acc), ids, x.dtype)
+
     def combine(self, summed: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Split experts: round each (token, choice) to ``dtype`` and sum a token's
         choices in ascending expert order, as one rank would."""
-        out = torch.zeros(ids.shape[0], summed.shape[1], dtype=summed.dtype, device=summed.device)
-        for _, sel, rows in expert_choices(ids, self.local):
-            out.index_add_(0, rows, summed[sel].to(dtype).to(summed.dtype))
-        return out
+        return sum_in_expert_order(summed.view(*ids.shape, -1), ids, dtype)
+
+
+def _grouped_gemm(x: torch.Tensor):
+    """The grouped packed-E2M1 GEMM for activations ``x``: the Triton kernel or its reference."""
+    if use_gemm_kernels(x):
+        from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm
+    else:
+        from deepinfer_vllm.ops.quant_gemm import grouped_fp4_gemm
+    return grouped_fp4_gemm
 
 
 class V41MoE(nn.Module):

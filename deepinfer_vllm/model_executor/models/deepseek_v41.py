@@ -27,7 +27,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -85,7 +84,9 @@ class DeepseekV41Block(nn.Module):
         self.hc_attn = HyperConnection(arch)
         self.hc_ffn = HyperConnection(arch)
         self.attn = V41Attention(arch, role, rope_cache, f"{prefix}.attn", cache_layers, quant_config, layout)
-        self.ffn = V41MoE.from_arch(arch, arch.n_routed_experts, arch.top_k, quant_config, layout, f"{prefix}.ffn")
+        self.ffn = V41MoE.from_arch(
+            arch, arch.n_routed_experts, arch.top_k, quant_config, layout, f"{prefix}.ffn"
+        )
         self.engram = None
         if role.has_engram:
             idx = list(arch.engram_layer_ids).index(role.layer_id)
@@ -125,8 +126,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         check_vllm_parallel(arch, vllm_config.parallel_config)
         self.layout = layout = ParallelLayout.from_vllm(vllm_config)
         self.dtype = model_config.dtype
-        self.yoco_mode, self.yoco_keep = envs.yoco_settings(arch.sliding_window)
-        if self.yoco_mode == "compact" and any(i >= arch.first_decoder_layer for i in arch.engram_layer_ids):
+        self.truncation_mode, self.truncation_keep = envs.prefill_truncation_settings(arch.sliding_window)
+        if self.truncation_mode == "compact" and any(
+            i >= arch.first_decoder_layer for i in arch.engram_layer_ids
+        ):
             raise ValueError("compact prefill truncation needs every Engram layer before the decoder half")
         quant_config = vllm_config.quant_config
         if not isinstance(quant_config, DeepInferV41QuantConfig):
@@ -166,7 +169,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.mtp = None
         if self.dspark is not None:
             self.mtp = build_stages(arch, main_rope, self.cache_layers, quant_config, layout)
-        self.not_held = tuple(p for p in NOT_HELD if not (self.mtp is not None and p == checkpoint.DSPARK_PREFIX))
+        self.not_held = tuple(
+            p for p in NOT_HELD if not (self.mtp is not None and p == checkpoint.DSPARK_PREFIX)
+        )
 
         self.engram_tables: EngramTables | None = None
         self.token_history: TokenHistory | None = None
@@ -223,7 +228,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             ngram_ids = self.engram_tables.ngram_ids(raw, history_image)
             engram_inputs = (ngram_ids, self.engram_tables, is_image)
         rows = torch.arange(T, device=x.device)
-        compact_rows = self._apply_yoco(state) if state.has_caches else None
+        compact_rows = self._apply_prefill_truncation(state) if state.has_caches else None
         targets = arch.dspark_target_layer_ids if self.mtp is not None and state.has_caches else ()
         entries: list[tuple[torch.Tensor, int]] = []  # (entry streams, rows at the time)
         for block in self.layers:
@@ -267,7 +272,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         base = self.logits_processor(self.head, self.mtp[-1].norm(hh))
         return hh, base
 
-    def _apply_yoco(self, state: StepState) -> torch.Tensor | None:
+    def _apply_prefill_truncation(self, state: StepState) -> torch.Tensor | None:
         """DeepInfer's prefill truncation of the decoder half (design §3).
 
         Decoder layers keep window KV only for the last ``keep`` prompt
@@ -276,7 +281,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         chunk before the kept rectangle still has a row to sample).
         Returns the kept row indices for ``compact``, else None.
         """
-        if self.yoco_mode == "off":
+        if self.truncation_mode == "off":
             return None
         prompt_lens = state.prompt_lens
         if prompt_lens is None:
@@ -284,9 +289,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "prefill truncation needs prompt lengths in the step metadata; "
                 "run V4.1 with DeepInfer's CPU worker (selected by its platform)"
             )
-        start = (prompt_lens - self.yoco_keep).clamp_min(0)
+        start = (prompt_lens - self.truncation_keep).clamp_min(0)
         state.decoder_window_start = start[state.token_req]
-        if self.yoco_mode != "compact":
+        if self.truncation_mode != "compact":
             return None
         keep = state.positions >= state.decoder_window_start
         last_rows = (state.token_req[1:] != state.token_req[:-1]).nonzero(as_tuple=True)[0]
@@ -355,7 +360,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         lay = self.layout
         logger.info(
             "DeepInfer V4.1 weights resident on tp %d/%d dp %d/%d (expert group rank %d/%d, %s): %s",
-            lay.tp_rank, lay.tp_size, lay.dp_rank, lay.dp_size, lay.moe_rank, lay.moe_size,
+            lay.tp_rank,
+            lay.tp_size,
+            lay.dp_rank,
+            lay.dp_size,
+            lay.moe_rank,
+            lay.moe_size,
             "whole experts" if lay.expert_parallel else "expert slices",
             ", ".join(
                 f"{c} {r['resident']} B (checkpoint {r['checkpoint']} B)"

@@ -1,0 +1,145 @@
+"""Benchmark of ops/triton/fp8_gemm.py: dense FP8 (e4m3, UE8M0 per 32x32) GEMM on Flash shapes.
+
+Rows:
+  * large M (8192) on (N, K) = (1792, 5120), (5120, 8192), (4608, 5120): act="bf16" (bf16 design),
+    act="mxfp8" with the fp8 and the bf16 design; baseline ``torch._scaled_mm`` on the same
+    shape (e4m3 operands, per-tensor fp32 scales, bf16 out), measured in this run: the
+    "vs baseline" column is the fraction of _scaled_mm's rate (goal: >= 0.80).
+  * decode M = 1, 64, 256 on the same shapes: bytes = weight + scales + x + out; % copy.
+  * a tile sweep (act=bf16) on (5120, 8192) at M = 8192 and M = 1 (``GEMM_SWEEP=0`` skips it).
+The act="mxfp8" rows include the Triton activation quantiser (one extra launch).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.gpu.common import HEADER, Ceilings, Row, measure_ceilings, time_s  # noqa: E402
+from deepinfer_vllm.ops import quant  # noqa: E402
+from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm, pick_config  # noqa: E402
+
+SHAPES = [(1792, 5120), (5120, 8192), (4608, 5120)]
+DECODE_M = (1, 64, 256)
+LARGE_M = 8192
+MODES = [("bf16", "bf16"), ("mxfp8", "fp8"), ("mxfp8", "bf16")]
+SWEEP_LARGE = [
+    dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3),
+    dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=4),
+    dict(BM=256, BN=128, BK=128, num_warps=8, num_stages=2),
+    dict(BM=256, BN=64, BK=64, num_warps=4, num_stages=4),
+]
+SWEEP_DECODE = [  # M = 1
+    dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=4),
+    dict(BM=16, BN=128, BK=128, num_warps=8, num_stages=4, SPLIT=2),
+    dict(BM=16, BN=128, BK=128, num_warps=8, num_stages=4, SPLIT=4),
+    dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
+    dict(BM=16, BN=128, BK=256, num_warps=8, num_stages=3, SPLIT=2),
+    dict(BM=16, BN=32, BK=256, num_warps=4, num_stages=4, SPLIT=4),
+]
+
+
+def weight(n: int, k: int, device: str = "cuda"):
+    v, s = quant.quant_fp8_block(torch.randn(n, k, device=device) * 0.02)
+    return v.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
+
+
+def _scaled_mm_seconds(m: int, n: int, k: int) -> float:
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    return time_s(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+
+
+def _cfg_name(cfg: dict) -> str:
+    return "/".join(f"{k}{v}" for k, v in cfg.items())
+
+
+def _large_rows() -> list[Row]:
+    rows = []
+    for n, k in SHAPES:
+        w, s = weight(n, k)
+        x = torch.randn(LARGE_M, k, device="cuda").to(torch.bfloat16)
+        t_ref = _scaled_mm_seconds(LARGE_M, n, k)
+        for act, design in MODES:
+            t = time_s(lambda: fp8_block_gemm(x, w, s, act, design=design))
+            rows.append(
+                Row(
+                    kernel=f"fp8_block_gemm act={act} design={design}",
+                    shape=f"M={LARGE_M} N={n} K={k}",
+                    seconds=t,
+                    bytes=LARGE_M * k * 2 + n * k + LARGE_M * n * 2,
+                    flops=2 * LARGE_M * n * k,
+                    baseline="_scaled_mm",
+                    baseline_seconds=t_ref,
+                )
+            )
+    return rows
+
+
+def _decode_rows() -> list[Row]:
+    rows = []
+    for n, k in SHAPES:
+        w, s = weight(n, k)
+        for m in DECODE_M:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            for act, design in MODES:
+                t = time_s(lambda: fp8_block_gemm(x, w, s, act, design=design))
+                rows.append(
+                    Row(
+                        kernel=f"fp8_block_gemm act={act} design={design}",
+                        shape=f"M={m} N={n} K={k} ({_cfg_name(pick_config(m, n, k))})",
+                        seconds=t,
+                        bytes=n * k + n * k // 1024 + m * k * 2 + m * n * 2,
+                        flops=2 * m * n * k,
+                    )
+                )
+    return rows
+
+
+def _sweep_rows() -> list[Row]:
+    rows = []
+    n, k = 5120, 8192
+    w, s = weight(n, k)
+    for m, configs in ((LARGE_M, SWEEP_LARGE), (1, SWEEP_DECODE)):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        t_ref = _scaled_mm_seconds(m, n, k)
+        for act, design in MODES[:1]:
+            for cfg in configs:
+                try:
+                    t = time_s(lambda: fp8_block_gemm(x, w, s, act, design=design, config=cfg))
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"# sweep {act}/{design} {cfg}: {type(exc).__name__}", flush=True)
+                    continue
+                rows.append(
+                    Row(
+                        kernel=f"sweep act={act} design={design}",
+                        shape=f"M={m} N={n} K={k} {_cfg_name(cfg)}",
+                        seconds=t,
+                        bytes=n * k + m * k * 2 + m * n * 2,
+                        flops=2 * m * n * k,
+                        baseline="_scaled_mm",
+                        baseline_seconds=t_ref,
+                    )
+                )
+    return rows
+
+
+def run(ceilings: Ceilings) -> list[Row]:
+    torch.manual_seed(0)
+    rows = _large_rows() + _decode_rows()
+    if os.environ.get("GEMM_SWEEP", "1") == "1":
+        rows += _sweep_rows()
+    return rows
+
+
+if __name__ == "__main__":
+    c = measure_ceilings()
+    print(f"copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, fp8 {c.fp8_flops_per_s / 1e12:.0f} TFLOP/s")
+    print("  ".join(HEADER))
+    for row in run(c):
+        print("  ".join(row.cells(c)))

@@ -1,0 +1,116 @@
+"""Benchmark of ops/triton/moe_gemm.py: the routed experts' grouped E2M1 GEMM, one EP=8 rank.
+
+384 experts, EP=8: 48 local experts. Tokens route top-6 uniformly at random over the 384;
+the rows on this rank are those sent to a local expert, grouped by expert. Both expert
+GEMMs: w13 (N = 2 * 2304 = 4608, K = 5120) and w2 (N = 5120, K = 2304).
+  * decode, 1 / 64 / 256 tokens: bytes = packed E2M1 + scales of the experts actually
+    touched (+ x, out); % copy is the ratio to copy bandwidth (goal: >= 70%).
+  * prefill, 8192 tokens (about 6144 rows here): FLOPs 2 * rows * N * K against the fp8 and
+    bf16 matmul ceilings of the run.
+  * a tile sweep (act=bf16) on w13 at 1, 64 and 8192 tokens (``GEMM_SWEEP=0`` skips it).
+act="mxfp8" rows include the Triton activation quantiser.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.gpu.common import HEADER, Ceilings, Row, measure_ceilings, time_s  # noqa: E402
+from deepinfer_vllm.ops import quant  # noqa: E402
+from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm  # noqa: E402
+
+EXPERTS, LOCAL, TOP_K = 384, 48, 6
+GEMMS = [("w13", 4608, 5120), ("w2", 5120, 2304)]
+DECODE_TOKENS = (1, 64, 256)
+PREFILL_TOKENS = 8192
+MODES = [("bf16", "bf16"), ("mxfp8", "fp8"), ("mxfp8", "bf16")]
+SWEEP_DECODE = [
+    dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=1),
+    dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=2),
+    dict(BM=16, BN=32, BK=256, num_warps=4, num_stages=4, SPLIT=1),
+    dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=1),
+    dict(BM=16, BN=128, BK=256, num_warps=8, num_stages=3, SPLIT=1),
+    dict(BM=16, BN=32, BK=512, num_warps=4, num_stages=3, SPLIT=2),
+]
+SWEEP_PREFILL = [
+    dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3),
+    dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3),
+    dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4),
+    dict(BM=128, BN=128, BK=64, num_warps=4, num_stages=4),
+]
+
+
+def experts(n: int, k: int, device: str = "cuda"):
+    v, s = quant.quant_fp4_rows(torch.randn(LOCAL, n, k, device=device) * 0.02)
+    return v.view(torch.int8), s.view(torch.float8_e8m0fnu)
+
+
+def routing(tokens: int, seed: int) -> tuple[torch.Tensor, int, int]:
+    """Offsets ``[LOCAL + 1]`` of the rows this rank gets, rows, experts touched. For 1 token the
+    first seed with at least one local row is taken (a token without one does no work)."""
+    while True:
+        g = torch.Generator().manual_seed(seed)
+        picks = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
+        local = picks[picks < LOCAL]
+        if local.numel():
+            break
+        seed += 1
+    counts = torch.bincount(local, minlength=LOCAL)
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+    return offs.cuda(), int(local.numel()), int((counts > 0).sum())
+
+
+def _cfg_name(cfg: dict) -> str:
+    return "/".join(f"{k}{v}" for k, v in cfg.items())
+
+
+def _rows(tokens: int, modes, configs=(None,), label: str = "") -> list[Row]:
+    rows = []
+    offs, r, touched = routing(tokens, seed=tokens)
+    for name, n, k in GEMMS if not configs[0] else GEMMS[:1]:
+        w, s = experts(n, k)
+        x = torch.randn(r, k, device="cuda").to(torch.bfloat16)
+        expert_bytes = touched * (n * k // 2 + n * k // 32)
+        for act, design in modes:
+            for cfg in configs:
+                try:
+                    t = time_s(lambda: grouped_fp4_gemm(x, offs, w, s, act, design=design, config=cfg))
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"# sweep {act}/{design} {cfg}: {type(exc).__name__}", flush=True)
+                    continue
+                rows.append(
+                    Row(
+                        kernel=f"{label}grouped_fp4_gemm {name} act={act} design={design}",
+                        shape=f"T={tokens} rows={r} experts={touched}/{LOCAL}"
+                        + (f" {_cfg_name(cfg)}" if cfg else ""),
+                        seconds=t,
+                        bytes=expert_bytes + r * k * 2 + r * n * 2,
+                        flops=2 * r * n * k,
+                    )
+                )
+    return rows
+
+
+def run(ceilings: Ceilings) -> list[Row]:
+    torch.manual_seed(0)
+    rows = []
+    for tokens in DECODE_TOKENS + (PREFILL_TOKENS,):
+        rows += _rows(tokens, MODES)
+    if os.environ.get("GEMM_SWEEP", "1") == "1":
+        rows += _rows(1, MODES[:1], SWEEP_DECODE, "sweep ")
+        rows += _rows(64, MODES[:1], SWEEP_DECODE, "sweep ")
+        rows += _rows(PREFILL_TOKENS, MODES[:1], SWEEP_PREFILL, "sweep ")
+    return rows
+
+
+if __name__ == "__main__":
+    c = measure_ceilings()
+    print(f"copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, fp8 {c.fp8_flops_per_s / 1e12:.0f} TFLOP/s")
+    print("  ".join(HEADER))
+    for row in run(c):
+        print("  ".join(row.cells(c)))

@@ -1,0 +1,334 @@
+"""Dense FP8 block-scaled GEMM: ``x @ W.T``, W e4m3 ``[N, K]`` with UE8M0 per 32x32 tile.
+
+Same arguments and numbers as ``ops.quant_gemm.fp8_block_gemm`` (fp32 accumulation, one
+rounding; the summation order differs). The tile is computed transposed ("swap AB"):
+``acc[BN, BM] = W_tile @ x_tile.T``, so the weight, decoded in registers, is the MMA's A
+operand and a small batch (``BM`` 16-64) is the narrow N side of the MMA.
+
+Two designs (``design=``), measured in benchmarks/README.md ("FP8 / FP4 weight GEMMs"):
+  * ``"bf16"`` (the default for both act modes: fastest at every shape measured): the weight
+    tile decoded to bf16 in registers (``e4m3 * 2^s`` is exactly a bf16 number); x as given
+    (bf16) or, for act="mxfp8", its MXFP8 round trip written as bf16 by ``mxfp8_qdq`` (exact)
+    before the GEMM; one bf16 ``tl.dot`` per K tile.
+  * ``"fp8"`` (``act="mxfp8"`` only): per 32-wide K chunk an fp8 ``tl.dot`` of the raw
+    e4m3 bytes, the chunk's partial product times ``2^sw[n] * 2^sx[m]`` (exact) added to
+    the fp32 accumulator. 1.1-10x slower than "bf16" on the H200 (likely a wgmma wait before
+    every K=32 chunk's rescale; not profiled); kept selectable and tested.
+Small M splits K over programs (``SPLIT``); the partial sums go to an fp32 workspace and a
+second kernel adds them in a fixed order: deterministic, no atomics. Output rounding to
+bf16 is done on the bits (round to nearest even), identical on GPU and interpreter.
+No host synchronisation: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq, mxfp8_quantize
+
+__all__ = ["fp8_block_gemm", "pick_config", "DESIGNS"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DESIGNS = ("bf16", "fp8")
+# Default design per act mode (benchmarks/README.md: measured on the H200).
+DEFAULT_DESIGN = {"bf16": "bf16", "mxfp8": "bf16"}  # measured: fp8 lost everywhere (benchmarks/README.md)
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+@triton.jit
+def ue8m0(s, SHIFT: tl.constexpr):
+    """UE8M0 bytes -> fp32 ``2^(s - 127 + SHIFT)`` from the bits (byte 0 with SHIFT=0:
+    the subnormal 2^-127)."""
+    si = (s.to(tl.int32) & 0xFF) + SHIFT
+    return tl.where(si == 0, 0x400000, si << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_f32(b):
+    """e4m3 bytes (uint8) -> exact fp32."""
+    return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def mma_bf16(a, b, acc, F32_DOT: tl.constexpr):
+    """``acc + a @ b`` for bf16 operands. Triton's interpreter mishandles bf16 dots: there
+    the operands are widened to fp32 (exact) and multiplied with ``input_precision="ieee"``."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def store_out(ptr, v, mask, OUT_KIND: tl.constexpr):
+    """Store fp32 ``v`` as fp32 (0), bf16 bits rounded to nearest even (1) or fp16 (2)."""
+    if OUT_KIND == 1:
+        bits = v.to(tl.int32, bitcast=True)
+        tl.store(ptr, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16), mask=mask)
+    elif OUT_KIND == 2:
+        tl.store(ptr, v.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr,
+    out_ptr,
+    limit_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,  # rows >= *limit_ptr are written as zeros (grouped GEMM)
+    BLOCK: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+):
+    """``out[m, n] = sum_s part[s, m, n]``, s in order 0..SPLIT-1 (deterministic)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    total = M * N
+    mask = i < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
+    row = i // N
+    if HAS_LIMIT:
+        acc = tl.where(row < tl.load(limit_ptr).to(tl.int64), acc, 0.0)
+    store_out(out_ptr + row * stride_om + (i - row * N), acc, mask, OUT_KIND)
+
+
+def splitk_reduce(part: torch.Tensor, out: torch.Tensor, limit: torch.Tensor | None = None) -> None:
+    split, m, n = part.shape
+    block = 1024
+    kind = _OUT_KIND[out.dtype]
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part,
+        out.view(torch.int16) if kind == 1 else out,
+        limit if limit is not None else part,
+        m,
+        n,
+        out.stride(0),
+        SPLIT=split,
+        HAS_LIMIT=limit is not None,
+        BLOCK=block,
+        OUT_KIND=kind,
+        num_warps=4,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pick_config(m_rows: int, n: int, k: int, active_tiles: int | None = None, sms: int = 132) -> dict:
+    """Tile sizes from shapes only. ``active_tiles``: row tiles that carry work (grouped GEMM:
+    at most min(rows, experts)); K is split until about two programs per SM have work."""
+    if m_rows <= 64:
+        cfg = dict(BM=max(16, triton.next_power_of_2(m_rows)), BN=128, BK=128, num_warps=8, num_stages=4)
+    elif m_rows < 1024:
+        cfg = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4)
+    else:
+        cfg = dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3)
+    if k % cfg["BK"]:
+        cfg["BK"] = 32 if k % 64 else 64
+    tiles = (active_tiles if active_tiles is not None else triton.cdiv(m_rows, cfg["BM"])) * triton.cdiv(
+        n, cfg["BN"]
+    )
+    k_tiles = triton.cdiv(k, cfg["BK"])
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= min(8, k_tiles // 2):
+        split *= 2
+    cfg["SPLIT"] = split
+    return cfg
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    k_per_split,
+    DOT_FP8: tl.constexpr,  # design "fp8": x is MXFP8 bytes + scales; else x is bf16
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,  # > 1: write fp32 partials [SPLIT, M, N] to out_ptr
+    OUT_KIND: tl.constexpr,
+    F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    ws_rows = ws_ptr + (offs_n // 32).to(tl.int64) * stride_wsn
+    xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BN, BM], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if DOT_FP8:
+            for c in tl.static_range(BK // 32):
+                kk = k0 + c * 32 + tl.arange(0, 32)
+                kmask = kk < k_hi
+                w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & kmask[None, :], other=0)
+                xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0)
+                part = tl.dot(w.to(tl.float8e4nv, bitcast=True), tl.trans(xv.to(tl.float8e4nv, bitcast=True)))
+                kc = (k0 + c * 32) // 32
+                sw = ue8m0(tl.load(ws_rows + kc, mask=n_mask & (offs_n * 0 + kc * 32 < k_hi), other=0), 0)
+                sx = ue8m0(tl.load(xs_rows + kc, mask=m_mask & (offs_m * 0 + kc * 32 < k_hi), other=0), 0)
+                acc += part * sw[:, None] * sx[None, :]
+        else:
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < k_hi
+            kc = k0 // 32 + tl.arange(0, BK // 32)
+            cmask = kc * 32 < k_hi
+            w = e4m3_f32(tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & kmask[None, :], other=0))
+            sw = ue8m0(
+                tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 0
+            )
+            w = tl.reshape(tl.reshape(w, [BN, BK // 32, 32]) * sw[:, :, None], [BN, BK]).to(tl.bfloat16)
+            xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
+            acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
+    omask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT > 1:
+        part_ptr = out_ptr + pid_k.to(tl.int64) * M * N + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.store(part_ptr, acc, mask=omask)
+    else:
+        store_out(out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc, omask, OUT_KIND)
+
+
+# --------------------------------------------------------------------------- wrapper
+
+
+def gemm_output(x: torch.Tensor, rows: int, n: int, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """The ``[rows, n]`` output of a GEMM of ``x`` (``out_dtype`` default ``x.dtype``)."""
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in _OUT_KIND:
+        raise TypeError(f"out_dtype must be fp32, bf16 or fp16, got {out_dtype}")
+    return torch.empty(rows, n, dtype=out_dtype, device=x.device)
+
+
+def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight and scale as the uint8 the kernels read (rows must be contiguous)."""
+    w, s = weight.view(torch.uint8), scale.view(torch.uint8)
+    if w.stride(-1) != 1 or s.stride(-1) != 1:
+        raise ValueError("weight and scale rows must be contiguous")
+    return w, s
+
+
+def gemm_activations(x: torch.Tensor, act: str, design: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)`` of ``x`` as the kernels read them: MXFP8 bytes and UE8M0 scales
+    (fp8 design), or bf16 rows twice (bf16 design: ``x``, or its exact MXFP8 round trip)."""
+    if design == "fp8":
+        return mxfp8_quantize(x)
+    if act == "mxfp8":
+        xq = mxfp8_qdq(x)
+        return xq, xq
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"act='bf16' takes bf16 x, got {x.dtype}")
+    xv = x if x.stride(1) == 1 else x.contiguous()
+    return xv, xv
+
+
+def split_k(cfg: dict, k: int) -> tuple[dict, int, int]:
+    """A launch config without its ``SPLIT`` entry, the number of K splits it gives and the
+    K columns per split (whole ``BK`` tiles; fewer splits than asked when K is short)."""
+    split = cfg.pop("SPLIT", 1)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg["BK"]), split) * cfg["BK"]
+    return cfg, triton.cdiv(k, k_per_split), k_per_split
+
+
+def fp8_block_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    act: str = "bf16",
+    out_dtype: torch.dtype | None = None,
+    *,
+    design: str | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for ``weight [N, K]`` e4m3 (float8_e4m3fn / uint8) and ``scale
+    [N/32, K/32]`` UE8M0 (float8_e8m0fnu / uint8); ``act`` "bf16" or "mxfp8" (x quantised
+    here by the Triton quantiser). ``design`` / ``config`` override the defaults (benchmarks)."""
+    if act not in DEFAULT_DESIGN:
+        raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
+    design = design or DEFAULT_DESIGN[act]
+    if design not in DESIGNS or (design == "fp8" and act != "mxfp8"):
+        raise ValueError(f"design {design!r} is not available for act={act!r}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 32 or n % 32:
+        raise ValueError(f"N and K must be multiples of 32, got N={n}, K={k}")
+    if tuple(scale.shape) != (n // 32, k // 32):
+        raise ValueError(f"scale must be [{n // 32}, {k // 32}], got {tuple(scale.shape)}")
+    out = gemm_output(x, m, n, out_dtype)
+    out_dtype = out.dtype
+    if m == 0:
+        return out
+    w, s = weight_bytes(weight, scale)
+    xv, xs = gemm_activations(x, act, design)
+    cfg, split, k_per_split = split_k(
+        dict(config) if config else pick_config(m, n, k, sms=sm_count(x.device)), k
+    )
+    kind = _OUT_KIND[out_dtype]
+    target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
+    _fp8_gemm_kernel[grid](
+        xv,
+        xs,
+        w,
+        s,
+        target.view(torch.int16) if (split == 1 and kind == 1) else target,
+        m,
+        n,
+        k,
+        xv.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        s.stride(0),
+        out.stride(0),
+        k_per_split,
+        DOT_FP8=design == "fp8",
+        SPLIT=split,
+        OUT_KIND=kind,
+        F32_DOT=_INTERPRET,
+        **cfg,
+    )
+    if split > 1:
+        splitk_reduce(target, out)
+    return out

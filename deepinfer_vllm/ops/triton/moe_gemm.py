@@ -1,0 +1,287 @@
+"""Grouped GEMM of the routed experts: packed E2M1 ``[E, N, K/2]`` with UE8M0 per 1x32.
+
+Same arguments and numbers as ``ops.quant_gemm.grouped_fp4_gemm``: rows
+``offsets[e]:offsets[e+1]`` of ``x`` times expert ``e``'s decoded weight, fp32 accumulation,
+one rounding; rows past ``offsets[-1]`` are zero. No host synchronisation: the grid along
+rows is the shape-only bound ``cdiv(R, BM) + E + 1``; every program reads the ``E + 1``
+offsets, counts each expert's row tiles (``tl.cumsum``) and finds its (expert, row tile)
+itself; programs past the last tile zero the rows past ``offsets[-1]`` (or the split-K
+reduction does), the rest exit. Capturable in a CUDA graph.
+
+Weight codes are widened with integer ops only: code ``s e1 e0 m`` -> byte ``s 0 0 e1 e0 m 0 0``
+is the e4m3 pattern of the code's value times 2^-6 (the 2^6 goes into the scale). On the GPU
+one PTX block does four bytes (eight codes) in 10 instructions; the interpreter does the same
+arithmetic per element. Designs (``design=``), as in ``fp8_gemm``: ``"bf16"`` (default, the
+faster everywhere measured: weight tile decoded to bf16, x bf16 or its MXFP8 round trip from
+``mxfp8_qdq``, one dot per K tile) and ``"fp8"`` (act="mxfp8": per-32 fp8 dots of these bytes
+with the MXFP8 activations, scales applied to each chunk's partial product; 1.8-11x slower).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_vllm.ops.triton.fp8_gemm import (
+    _OUT_KIND,
+    DESIGNS,
+    gemm_activations,
+    gemm_output,
+    mma_bf16,
+    sm_count,
+    split_k,
+    splitk_reduce,
+    store_out,
+    ue8m0,
+    weight_bytes,
+)
+
+__all__ = ["grouped_fp4_gemm", "moe_config"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEFAULT_DESIGN = {"bf16": "bf16", "mxfp8": "bf16"}  # measured: fp8 lost everywhere (benchmarks/README.md)
+
+# $2: 4 packed bytes (8 codes). $0: e4m3 bytes of the low nibbles, $1: of the high nibbles.
+_E2M1_E4M3_PTX = tl.constexpr("""{
+.reg .b32 a, b;
+shl.b32 a, $2, 4;
+and.b32 a, a, 0x80808080;
+shl.b32 b, $2, 2;
+and.b32 b, b, 0x1C1C1C1C;
+or.b32 $0, a, b;
+shr.b32 b, $2, 2;
+and.b32 b, b, 0x1C1C1C1C;
+and.b32 a, $2, 0x80808080;
+or.b32 $1, a, b;
+}""")
+
+
+@triton.jit
+def e2m1_e4m3_x64(packed, BN: tl.constexpr, BKH: tl.constexpr, ASM: tl.constexpr):
+    """Packed codes ``[BN, BKH]`` (uint8) -> e4m3 ``[BN, 2 * BKH]`` in element order, each the
+    code's value times 2^-6 (exact)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_E4M3_PTX, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4
+        )
+    else:
+        c = packed & 15
+        lo = ((c & 7) << 2) | ((c & 8) << 4)
+        c = packed >> 4
+        hi = ((c & 7) << 2) | ((c & 8) << 4)
+    return tl.reshape(tl.join(lo, hi), [BN, 2 * BKH]).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    off_ptr,
+    out_ptr,
+    R,
+    N,
+    K,
+    E,
+    stride_xm,
+    stride_xsm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_om,
+    k_per_split,
+    EP: tl.constexpr,  # next power of two >= E
+    DOT_FP8: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    ASM: tl.constexpr,
+    F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
+):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    eidx = tl.arange(0, EP)
+    emask = eidx < E
+    lo = tl.load(off_ptr + eidx, mask=emask, other=0).to(tl.int32)
+    hi = tl.load(off_ptr + eidx + 1, mask=emask, other=0).to(tl.int32)
+    nblk = tl.where(emask, (tl.maximum(hi - lo, 0) + BM - 1) // BM, 0)
+    cum = tl.cumsum(nblk, 0)
+    total = tl.sum(nblk, 0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    if t < total:
+        e = tl.sum((cum <= t).to(tl.int32), 0)
+        sel = eidx == e
+        row0 = tl.sum(tl.where(sel, lo, 0), 0) + (t - tl.sum(tl.where(sel, cum - nblk, 0), 0)) * BM
+        row_end = tl.sum(tl.where(sel, hi, 0), 0)
+        offs_m = row0 + tl.arange(0, BM)
+        m_mask = offs_m < row_end
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        ws_rows = ws_ptr + e.to(tl.int64) * stride_wse + offs_n.to(tl.int64) * stride_wsn
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        acc = tl.zeros([BN, BM], tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            if DOT_FP8:
+                for c in tl.static_range(BK // 32):
+                    kb = k0 + c * 32
+                    kh = kb // 2 + tl.arange(0, 16)
+                    p = tl.load(
+                        w_rows + kh[None, :], mask=n_mask[:, None] & (kh * 2 < k_hi)[None, :], other=0
+                    )
+                    kk = kb + tl.arange(0, 32)
+                    xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < k_hi)[None, :], other=0)
+                    part = tl.dot(e2m1_e4m3_x64(p, BN, 16, ASM), tl.trans(xv.to(tl.float8e4nv, bitcast=True)))
+                    sw = ue8m0(
+                        tl.load(ws_rows + kb // 32, mask=n_mask & (offs_n * 0 + kb < k_hi), other=0), 6
+                    )
+                    sx = ue8m0(
+                        tl.load(xs_rows + kb // 32, mask=m_mask & (offs_m * 0 + kb < k_hi), other=0), 0
+                    )
+                    acc += part * sw[:, None] * sx[None, :]
+            else:
+                kh = k0 // 2 + tl.arange(0, BK // 2)
+                kc = k0 // 32 + tl.arange(0, BK // 32)
+                cmask = kc * 32 < k_hi
+                p = tl.load(w_rows + kh[None, :], mask=n_mask[:, None] & (kh * 2 < k_hi)[None, :], other=0)
+                sw = ue8m0(
+                    tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 6
+                )
+                w = e2m1_e4m3_x64(p, BN, BK // 2, ASM).to(tl.float32)
+                w = tl.reshape(tl.reshape(w, [BN, BK // 32, 32]) * sw[:, :, None], [BN, BK]).to(tl.bfloat16)
+                kk = k0 + tl.arange(0, BK)
+                kmask = kk < k_hi
+                xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
+                acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
+        omask = n_mask[:, None] & m_mask[None, :]
+        if SPLIT > 1:
+            ptr = out_ptr + pid_k.to(tl.int64) * R * N + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+            tl.store(ptr, acc, mask=omask)
+        else:
+            store_out(
+                out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc, omask, OUT_KIND
+            )
+    elif SPLIT == 1:
+        # Past the last tile: zero the rows after offsets[E], one row tile per program.
+        offs_m = tl.load(off_ptr + E).to(tl.int32) + (t - total) * BM + tl.arange(0, BM)
+        omask = n_mask[:, None] & (offs_m < R)[None, :]
+        store_out(
+            out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None],
+            tl.zeros([BN, BM], tl.float32),
+            omask,
+            OUT_KIND,
+        )
+
+
+def moe_config(r: int, e_count: int, n: int, k: int, sms: int = 132) -> dict:
+    """Tiles from shapes only: the mean rows per expert picks the row tile; K is split while
+    fewer than two programs per SM would have work (at most min(R, E) row tiles do)."""
+    mean_rows = triton.cdiv(r, e_count)
+    if mean_rows <= 16:
+        cfg = dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4)
+    elif mean_rows <= 64:
+        cfg = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3)
+    if k % cfg["BK"]:
+        cfg["BK"] = 32 if k % 64 else 64
+    tiles = min(r, e_count) * triton.cdiv(mean_rows, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= min(8, triton.cdiv(k, cfg["BK"]) // 2):
+        split *= 2
+    cfg["SPLIT"] = split
+    return cfg
+
+
+def grouped_fp4_gemm(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    act: str = "bf16",
+    out_dtype: torch.dtype | None = None,
+    *,
+    design: str | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``[R, N]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` times
+    expert ``e``'s ``W_e.T`` (``weight [E, N, K/2]`` int8/uint8 packed E2M1, ``scale
+    [E, N, K/32]`` UE8M0); zeros past ``expert_offsets[-1]``. ``expert_offsets`` int32/int64
+    ``[E+1]`` on x's device, ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R`` (not
+    checked: that would synchronise)."""
+    if act not in DEFAULT_DESIGN:
+        raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
+    design = design or DEFAULT_DESIGN[act]
+    if design not in DESIGNS or (design == "fp8" and act != "mxfp8"):
+        raise ValueError(f"design {design!r} is not available for act={act!r}")
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != 2 * weight.shape[2]:
+        raise ValueError(
+            f"x [R, K] and weight [E, N, K/2] expected, got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    e_count, n, kh = weight.shape
+    r, k = x.shape
+    if k % 32 or n % 32:
+        raise ValueError(f"N and K must be multiples of 32, got N={n}, K={k}")
+    if tuple(scale.shape) != (e_count, n, k // 32):
+        raise ValueError(f"scale must be [{e_count}, {n}, {k // 32}], got {tuple(scale.shape)}")
+    if tuple(expert_offsets.shape) != (e_count + 1,) or expert_offsets.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise ValueError(
+            f"expert_offsets must be int32/int64 [{e_count + 1}], "
+            f"got {expert_offsets.dtype} {tuple(expert_offsets.shape)}"
+        )
+    out = gemm_output(x, r, n, out_dtype)
+    out_dtype = out.dtype
+    if r == 0:
+        return out
+    w, s = weight_bytes(weight, scale)
+    xv, xs = gemm_activations(x, act, design)
+    cfg, split, k_per_split = split_k(
+        dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device)), k
+    )
+    kind = _OUT_KIND[out_dtype]
+    offs = expert_offsets if expert_offsets.is_contiguous() else expert_offsets.contiguous()
+    target = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(r, cfg["BM"]) + e_count + 1, split)
+    _moe_gemm_kernel[grid](
+        xv,
+        xs,
+        w,
+        s,
+        offs,
+        target.view(torch.int16) if (split == 1 and kind == 1) else target,
+        r,
+        n,
+        k,
+        e_count,
+        xv.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        w.stride(1),
+        s.stride(0),
+        s.stride(1),
+        out.stride(0),
+        k_per_split,
+        EP=triton.next_power_of_2(e_count),
+        DOT_FP8=design == "fp8",
+        SPLIT=split,
+        OUT_KIND=kind,
+        ASM=not _INTERPRET,
+        F32_DOT=_INTERPRET,
+        **cfg,
+    )
+    if split > 1:
+        splitk_reduce(target, out, offs[e_count:])
+    return out

@@ -1,0 +1,147 @@
+"""ops/triton/moe_gemm.py (grouped E2M1 expert GEMM) against ``ops.quant_gemm.grouped_fp4_gemm``.
+
+Identical inputs, both act modes and every design; random expert offsets with empty experts
+and rows past ``offsets[-1]`` (which must come out exactly zero: the output memory is
+poisoned first). fp32 outputs within ``2e-6 * K * (|x_used| @ |W|.T)``, bf16 within one bf16
+ulp of the fp32 reference. Flash shapes on the GPU: w13 (N=4608, K=5120) and w2 (N=5120,
+K=2304) of the 48 experts of one EP=8 rank. Run-to-run determinism; CUDA-graph capture,
+replayed with new activations and new offsets, equal to eager bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import INTERPRET, poison_, shapes
+from test_fp8_gemm import MODES, check, make_x
+
+from deepinfer_vllm.ops import quant, quant_gemm
+from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm
+
+
+@functools.lru_cache(maxsize=2)
+def make_experts(e: int, n: int, k: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed E2M1 experts, per-32 scales spread over 9 binades; built on the device (cached)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g, device=device) * 0.02
+    sc = torch.randint(-5, 4, (e, n, k // 32, 1), generator=g, device=device).float()
+    w = w * torch.exp2(sc).expand(e, n, k // 32, 32).reshape(e, n, k)
+    v, s = quant.quant_fp4_rows(w)
+    return v.view(torch.int8), s.view(torch.float8_e8m0fnu)
+
+
+def make_offsets(e: int, r: int, seed: int, device, tail: int = 3, dtype=torch.int32) -> torch.Tensor:
+    """Random counts (about a third of the experts empty) summing to ``r - tail``."""
+    g = torch.Generator().manual_seed(seed)
+    used = max(r - tail, 0)
+    weights = torch.rand(e, generator=g) * (torch.rand(e, generator=g) > 0.33)
+    if weights.sum() == 0:
+        weights[0] = 1.0
+    cut = torch.sort(
+        torch.randint(0, used + 1, (used and e - 1,), generator=g)
+        if used
+        else torch.zeros(e - 1, dtype=torch.long)
+    ).values
+    counts = torch.diff(torch.cat([torch.zeros(1, dtype=torch.long), cut, torch.full((1,), used)]))
+    counts = counts * (weights > 0)  # empty experts
+    counts[int(torch.argmax(weights))] += used - int(counts.sum())
+    return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(dtype).to(device)
+
+
+def _weights_used(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return quant.dequant_fp4_rows(w, s)
+
+
+def check_grouped(got, ref, x, act, w, s, offs):
+    xu = quant_gemm.activations(x, act)
+    wd = _weights_used(w, s)
+    o = offs.tolist()
+    for e in range(w.shape[0]):
+        if o[e + 1] > o[e]:
+            check(got[o[e] : o[e + 1]], ref[o[e] : o[e + 1]], xu[o[e] : o[e + 1]], wd[e])
+    assert torch.equal(got[o[-1] :].float(), torch.zeros_like(got[o[-1] :].float())), "rows past offsets[-1]"
+
+
+CONFIGS = [
+    None,
+    dict(BM=16, BN=32, BK=64, SPLIT=2, num_warps=4),
+    dict(BM=32, BN=64, BK=128, SPLIT=1, num_warps=4),
+]
+
+
+@pytest.mark.parametrize("act,design", MODES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "e,n,k,r,cfg",
+    shapes(
+        [(5, 64, 128, 40, 0), (3, 32, 96, 9, 1), (7, 64, 256, 50, 2), (4, 64, 64, 1, 0)],
+        [
+            (48, 4608, 5120, 6, 0),
+            (48, 5120, 2304, 192, 0),
+            (48, 4608, 5120, 1536, 0),
+            (48, 5120, 2304, 6144, 0),
+            (8, 512, 1024, 300, 1),
+        ],
+    ),
+)
+def test_moe_gemm_matches_reference(device, act, design, out_dtype, e, n, k, r, cfg):
+    w, s = make_experts(e, n, k, seed=e + n + k, device=device)
+    x = make_x(r, k, seed=r, device=device)
+    offs = make_offsets(
+        e, r, seed=r + e, device=device, tail=min(3, r - 1), dtype=torch.int64 if r % 2 else torch.int32
+    )
+    poison_(torch.empty(r, n, dtype=out_dtype, device=device))  # the allocator hands this memory out next
+    got = grouped_fp4_gemm(x, offs, w, s, act, out_dtype, design=design, config=CONFIGS[cfg])
+    ref = quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32)
+    assert got.shape == (r, n) and got.dtype == out_dtype
+    check_grouped(got, ref, x, act, w, s, offs)
+
+
+@pytest.mark.parametrize("act,design", MODES)
+def test_moe_gemm_deterministic(device, act, design):
+    e, n, k, r = (5, 64, 128, 30) if INTERPRET else (48, 4608, 5120, 192)
+    w, s = make_experts(e, n, k, seed=1, device=device)
+    x = make_x(r, k, seed=2, device=device)
+    offs = make_offsets(e, r, seed=3, device=device)
+    a = grouped_fp4_gemm(x, offs, w, s, act, design=design)
+    b = grouped_fp4_gemm(x, offs, w, s, act, design=design)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("act", ["bf16", "mxfp8"])
+def test_moe_gemm_all_rows_past_offsets(device, act):
+    w, s = make_experts(4, 64, 128, seed=9, device=device)
+    x = make_x(20, 128, seed=9, device=device)
+    offs = torch.zeros(5, dtype=torch.int32, device=device)
+    poison_(torch.empty(20, 64, dtype=torch.bfloat16, device=device))
+    got = grouped_fp4_gemm(x, offs, w, s, act)
+    assert torch.equal(got.float(), torch.zeros(20, 64, device=device))
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("act", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("r", [6, 1536])
+def test_moe_gemm_cuda_graph(device, act, r):
+    e, n, k = 48, 4608, 5120
+    w, s = make_experts(e, n, k, seed=11, device=device)
+    x_static = make_x(r, k, seed=12, device=device)
+    offs_static = make_offsets(e, r, seed=13, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped_fp4_gemm(x_static, offs_static, w, s, act)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = grouped_fp4_gemm(x_static, offs_static, w, s, act)
+    for seed in (14, 15):
+        x_new = make_x(r, k, seed=seed, device=device)
+        offs_new = make_offsets(e, r, seed=seed, device=device, tail=seed - 13)
+        x_static.copy_(x_new)
+        offs_static.copy_(offs_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = grouped_fp4_gemm(x_new, offs_new, w, s, act)
+        assert torch.equal(out_static.view(torch.int16), want.view(torch.int16))

@@ -1,0 +1,115 @@
+"""ops/quant_gemm.py: the references of the FP8 dense and grouped FP4 expert GEMMs (CPU).
+
+Each reference against an independent float64 computation built from the ``ops.quant``
+element decoders (e4m3 / e2m1 values times UE8M0 powers of two, expanded by hand), within
+the fp32 summation bound; ``fp8_block_gemm(act="bf16")`` against the model's
+``gemm_fp8`` within one bf16 ulp; the grouped reference's row grouping and zero tail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_vllm.model_executor.layers.dequant import gemm_fp8
+from deepinfer_vllm.ops import quant
+from deepinfer_vllm.ops.quant_gemm import activations, fp8_block_gemm, grouped_fp4_gemm
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scale = (
+        torch.exp2(torch.randint(-4, 5, (m, k // 32, 1), generator=g).float())
+        .expand(m, k // 32, 32)
+        .reshape(m, k)
+    )
+    return (torch.randn(m, k, generator=g) * scale).to(torch.bfloat16)
+
+
+def _fp8_weight(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    v, s = quant.quant_fp8_block(torch.randn(n, k, generator=g) * 0.05)
+    return v.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
+
+
+def _fp4_weights(e: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    v, s = quant.quant_fp4_rows(torch.randn(e, n, k, generator=g) * 0.05)
+    return v.view(torch.int8), s.view(torch.float8_e8m0fnu)
+
+
+def _fp8_weight_f64(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    vals = quant.e4m3_decode(v).double()
+    sc = quant.ue8m0_decode(s).double()
+    return vals * sc.repeat_interleave(32, 0).repeat_interleave(32, 1)
+
+
+def _fp4_weight_f64(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    vals = quant.e2m1_decode(quant.unpack_fp4(v)).double()
+    return vals * quant.ue8m0_decode(s).double().repeat_interleave(32, -1)
+
+
+def _x_f64(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "bf16":
+        return x.double()
+    v, s = quant.mxfp8_quantize(x)
+    return quant.e4m3_decode(v).double() * quant.ue8m0_decode(s).double().repeat_interleave(32, -1)
+
+
+def _assert_close(got: torch.Tensor, want64: torch.Tensor, x64: torch.Tensor, w64: torch.Tensor) -> None:
+    k = w64.shape[-1]
+    bound = 2e-6 * k * (x64.abs() @ w64.abs().t()) + 1e-30
+    assert ((got.double() - want64).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("act", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (17, 96, 256), (40, 128, 512)])
+def test_fp8_block_gemm_against_float64(act, m, n, k):
+    x = _x(m, k, seed=m)
+    v, s = _fp8_weight(n, k, seed=n + k)
+    w64 = _fp8_weight_f64(v, s)
+    x64 = _x_f64(x, act)
+    assert torch.equal(activations(x, act).double(), x64)
+    got = fp8_block_gemm(x, v, s, act, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    _assert_close(got, x64 @ w64.t(), x64, w64)
+    assert fp8_block_gemm(x, v, s, act).dtype == torch.bfloat16
+
+
+def test_fp8_block_gemm_bf16_matches_gemm_fp8():
+    x = _x(33, 512, seed=1)
+    v, s = _fp8_weight(160, 512, seed=2)
+    ours = fp8_block_gemm(x, v, s, "bf16").float()
+    model = gemm_fp8(x, v, s).float()
+    exact = x.double() @ _fp8_weight_f64(v, s).t()
+    _, e = torch.frexp(exact.abs())
+    ulp = torch.exp2((e - 8).double())
+    assert ((ours.double() - model.double()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("act", ["bf16", "mxfp8"])
+def test_grouped_fp4_gemm_against_float64(act):
+    e, n, k, r = 5, 64, 256, 30
+    x = _x(r, k, seed=3)
+    v, s = _fp4_weights(e, n, k, seed=4)
+    offsets = torch.tensor([0, 4, 4, 15, 16, 26], dtype=torch.int64)  # expert 1 empty, 4 rows past the end
+    got = grouped_fp4_gemm(x, offsets, v, s, act, torch.float32)
+    x64 = _x_f64(x, act)
+    w64 = _fp4_weight_f64(v, s)
+    o = offsets.tolist()
+    for i in range(e):
+        rows = slice(o[i], o[i + 1])
+        _assert_close(got[rows], x64[rows] @ w64[i].t(), x64[rows], w64[i])
+    assert torch.equal(got[o[-1] :], torch.zeros(r - o[-1], n))
+    assert grouped_fp4_gemm(x, offsets.int(), v, s, act).dtype == torch.bfloat16
+
+
+def test_grouped_fp4_gemm_rejects_bad_offsets():
+    v, s = _fp4_weights(2, 32, 64, seed=5)
+    x = _x(4, 64, seed=6)
+    with pytest.raises(ValueError):
+        grouped_fp4_gemm(x, torch.tensor([0, 3, 2]), v, s)
+    with pytest.raises(ValueError):
+        grouped_fp4_gemm(x, torch.tensor([0, 3, 5]), v, s)
+    with pytest.raises(ValueError):
+        activations(x, "fp4")
