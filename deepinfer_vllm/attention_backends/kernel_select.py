@@ -86,7 +86,8 @@ def choose_attention_kernels(device: torch.device) -> str:
 def choose_gemm_kernels(device: torch.device, dtype: torch.dtype) -> str:
     """``"triton"`` or ``"torch"`` for the weight GEMMs of a model computing in ``dtype`` on
     ``device`` (``DEEPINFER_GEMM_KERNELS``). The kernels take bf16 activations; fp32 models
-    keep the reference, which accumulates in fp64."""
+    keep the reference, which accumulates in fp64, and so does batch-invariant mode in
+    ``auto`` (the kernels' tiles depend on the number of rows)."""
     mode = envs.gemm_kernels()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if mode == "torch":
@@ -105,6 +106,9 @@ def choose_gemm_kernels(device: torch.device, dtype: torch.dtype) -> str:
                 "fp32 models run the fp64-accumulating reference GEMMs"
             )
         choice, why = "triton", "DEEPINFER_GEMM_KERNELS=triton"
+    elif envs.batch_invariant():
+        # The kernels pick tiles and K splits by M; the reference's fixed row tiles do not.
+        choice, why = "torch", "DEEPINFER_BATCH_INVARIANT=1"
     elif device.type == "cuda" and _triton_available() and dtype == torch.bfloat16:
         choice, why = "triton", f"CUDA device {torch.cuda.get_device_name(device)}, bf16"
     else:

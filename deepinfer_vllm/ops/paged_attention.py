@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_vllm.ops.paged_records import RecordFormat, read_records
+from deepinfer_vllm.ops.paged_records import RecordFormat, read_records, record_address
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
 
 __all__ = [
@@ -50,9 +50,7 @@ def paged_window_keys(
     lo = window_lo.long().view(-1, 1).clamp_min(0)
     valid = key_pos >= lo
     safe = torch.where(valid, key_pos, torch.zeros_like(key_pos))
-    req = token_req.long().view(-1, 1).expand_as(safe)
-    blocks = block_table.long()[req, safe // block_size]
-    offsets = safe % block_size
+    blocks, offsets = record_address(block_table, token_req.view(-1, 1), safe, 1, block_size)
     fmt = RecordFormat(WINDOW_FORMAT, dim)
     keys = read_records(cache, fmt, blocks, offsets, dtype)
     return keys.masked_fill(~valid.unsqueeze(-1), 0.0), valid
@@ -73,10 +71,7 @@ def paged_compressed_keys(
         raise ValueError(f"block_size {block_size} is not a multiple of the ratio {ratio}")
     valid = topk >= 0
     entry = torch.where(valid, topk.long(), torch.zeros_like(topk, dtype=torch.long))
-    first = entry * ratio
-    req = token_req.long().view(-1, 1).expand_as(first)
-    blocks = block_table.long()[req, first // block_size]
-    offsets = (first % block_size) // ratio
+    blocks, offsets = record_address(block_table, token_req.view(-1, 1), entry, ratio, block_size)
     fmt = RecordFormat(COMPRESSED_FORMAT, dim)
     keys = read_records(cache, fmt, blocks, offsets, dtype)
     return keys.masked_fill(~valid.unsqueeze(-1), 0.0), valid

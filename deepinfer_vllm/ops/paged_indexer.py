@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_vllm.ops.indexer import index_scores, select_topk
-from deepinfer_vllm.ops.paged_records import RecordFormat, read_records
+from deepinfer_vllm.ops.paged_records import RecordFormat, read_records, record_address
 
 __all__ = [
     "index_record",
     "check_index_cache",
-    "entry_slots",
     "index_scores_paged",
     "index_scores_paged_sparse",
     "topk_indices",
@@ -63,16 +62,6 @@ def check_index_cache(index_cache: torch.Tensor, dim: int, ratio: int, block_siz
             f"(block_size {block_size}, ratio {ratio}, dim {dim})"
         )
     return n
-
-
-def entry_slots(
-    block_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, ratio: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(block, offset)`` of entries (any shape, clamp invalid ones first); ``PagedView._slot``."""
-    first = entry.long() * ratio
-    blocks = block_table[req.long(), first // block_size].long()
-    offsets = (first % block_size) // ratio
-    return blocks, offsets
 
 
 def _n_cols(visible: torch.Tensor, max_visible: int | None) -> int:
@@ -110,7 +99,7 @@ def index_scores_paged(
         if n == 0:
             continue
         entries = torch.arange(n, device=q.device)
-        blocks, offsets = entry_slots(block_table, torch.full_like(entries, r), entries, ratio, block_size)
+        blocks, offsets = record_address(block_table, torch.full_like(entries, r), entries, ratio, block_size)
         keys = read_records(index_cache, rec, blocks, offsets, q.dtype)
         out[tok, :n] = index_scores(q[tok], w[tok], keys, vis[tok], out_dtype)
     return out
@@ -150,7 +139,7 @@ def index_scores_paged_sparse(
         if sel.numel() == 0:
             continue
         e = entries[t, sel]
-        blocks, offsets = entry_slots(block_table, token_req[t].expand_as(e), e, ratio, block_size)
+        blocks, offsets = record_address(block_table, token_req[t].expand_as(e), e, ratio, block_size)
         keys = read_records(index_cache, rec, blocks, offsets, q.dtype)
         n = torch.tensor([sel.numel()], device=q.device)
         out[t, sel] = index_scores(q[t : t + 1], w[t : t + 1], keys, n, out_dtype)[0]

@@ -56,6 +56,19 @@ def split_page_regions(
     return values, scales
 
 
+def record_address(
+    block_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, ratio: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block, offset)`` of entry ``entry`` of request row ``req`` (any shapes that
+    broadcast; clamp invalid entries first) in a cache with one record per ``ratio`` tokens:
+    its first token ``entry * ratio`` lies in column ``first // block_size`` of the block
+    table, at record ``(first % block_size) // ratio`` of that page. The one place the
+    reference path addresses pages (the kernels do the same arithmetic on the device)."""
+    first = entry.long() * ratio
+    blocks = block_table[req.long(), first // block_size].long()
+    return blocks, (first % block_size) // ratio
+
+
 def write_records(
     cache: torch.Tensor,
     fmt: RecordFormat,

@@ -43,3 +43,31 @@ def test_vendor_libraries_are_only_reported_when_importable(monkeypatch):
     found = {"deep_select"}
     monkeypatch.setattr(kernel_select.importlib.util, "find_spec", lambda name: object() if name in found else None)
     assert kernel_select.vendor_libraries() == ["deep_select"]
+
+
+def test_gemm_kernels_follow_device_dtype_and_batch_invariance(monkeypatch, caplog):
+    for name in ("DEEPINFER_GEMM_KERNELS", "DEEPINFER_BATCH_INVARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger=kernel_select.__name__):
+        assert kernel_select.choose_gemm_kernels(torch.device("cpu"), torch.bfloat16) == "torch"
+    assert [r.getMessage() for r in caplog.records if "GEMM" in r.getMessage()] == [
+        "DeepInfer V4.1 GEMM kernels: torch (cpu device, bfloat16)"
+    ]
+    monkeypatch.setenv("DEEPINFER_GEMM_KERNELS", "triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernel_select.choose_gemm_kernels(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernel_select.choose_gemm_kernels(torch.device("cpu"), torch.bfloat16) == "triton"
+    with pytest.raises(RuntimeError, match="needs a bfloat16 model"):
+        kernel_select.choose_gemm_kernels(torch.device("cpu"), torch.float32)
+    # auto on a CUDA device: Triton for bf16, the reference for fp32 and in batch-invariant mode
+    monkeypatch.setenv("DEEPINFER_GEMM_KERNELS", "auto")
+    monkeypatch.setattr(kernel_select.torch.cuda, "get_device_name", lambda device=None: "GPU")
+    cuda = torch.device("cuda")
+    assert kernel_select.choose_gemm_kernels(cuda, torch.bfloat16) == "triton"
+    assert kernel_select.choose_gemm_kernels(cuda, torch.float32) == "torch"
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert kernel_select.choose_gemm_kernels(cuda, torch.bfloat16) == "torch"
+    monkeypatch.setenv("DEEPINFER_GEMM_KERNELS", "fast")
+    with pytest.raises(ValueError, match="DEEPINFER_GEMM_KERNELS"):
+        kernel_select.choose_gemm_kernels(cuda, torch.bfloat16)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer, V41StepMetadata
-from deepinfer_vllm.ops.paged_records import read_records, write_records
+from deepinfer_vllm.ops.paged_records import read_records, record_address, write_records
 
 
 @dataclass
@@ -109,12 +109,7 @@ class PagedView:
         self.meta: V41StepMetadata = state.attn_metadata[layer.prefix]
 
     def _slot(self, req: torch.Tensor, entry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ratio = self.layer.ratio
-        block_size = self.meta.block_size
-        first_pos = entry * ratio
-        blocks = self.meta.block_table[req, first_pos // block_size]
-        offsets = (first_pos % block_size) // ratio
-        return blocks, offsets
+        return record_address(self.meta.block_table, req, entry, self.layer.ratio, self.meta.block_size)
 
     def slots(self, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Flat record slots ``block * records_per_page + offset`` (the kernels' addressing)."""

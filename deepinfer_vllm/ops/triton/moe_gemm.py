@@ -2,11 +2,14 @@
 
 Same arguments and numbers as ``ops.quant_gemm.grouped_fp4_gemm``: rows
 ``offsets[e]:offsets[e+1]`` of ``x`` times expert ``e``'s decoded weight, fp32 accumulation,
-one rounding; rows past ``offsets[-1]`` are zero. No host synchronisation: the grid along
-rows is the shape-only bound ``cdiv(R, BM) + E + 1``; every program reads the ``E + 1``
-offsets, counts each expert's row tiles (``tl.cumsum``) and finds its (expert, row tile)
-itself; programs past the last tile zero the rows past ``offsets[-1]`` (or the split-K
-reduction does), the rest exit. Capturable in a CUDA graph.
+one rounding; rows past ``offsets[-1]`` are zero. No host synchronisation: the row tiles are bounded from
+shapes only (``min(R, cdiv(R, BM) + E + 1)``) and walked by a persistent loop: the grid has
+``grid_m = max(1, min(bound, 16 * SMs // (N tiles * split)))`` programs along rows; each reads
+the ``E + 1`` offsets once, counts each expert's row tiles (``tl.cumsum``) and takes tiles
+``pid_m, pid_m + grid_m, ...`` while they have work: expert tiles (it finds the expert and row
+tile itself), then tiles zeroing the rows past ``offsets[-1]`` (or the split-K reduction does).
+Each output tile is written by one program with the same arithmetic whatever the grid, so the
+numbers do not depend on it. Capturable in a CUDA graph.
 
 Weight codes are widened with integer ops only: code ``s e1 e0 m`` -> byte ``s 0 0 e1 e0 m 0 0``
 is the e4m3 pattern of the code's value times 2^-6 (the 2^6 goes into the scale). On the GPU
@@ -43,6 +46,11 @@ __all__ = ["grouped_fp4_gemm", "moe_config"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEFAULT_DESIGN = {"bf16": "bf16", "mxfp8": "bf16"}  # measured: fp8 lost everywhere (benchmarks/README.md)
+# Programs along the row tiles: about this many per SM over the whole grid (at least one row
+# program per (N tile, split)), each looping over row tiles. 2 per SM would leave fewer programs
+# than the ~3 per SM that fit (16-row decode tiles) at T=64-256; 16 keeps <= 2 tiles per program
+# on the benchmarked decode/prefill shapes, so only the programs without work go away.
+_PROGRAMS_PER_SM = 16
 
 # $2: 4 packed bytes (8 codes). $0: e4m3 bytes of the low nibbles, $1: of the high nibbles.
 _E2M1_E4M3_PTX = tl.constexpr("""{
@@ -95,6 +103,7 @@ def _moe_gemm_kernel(
     stride_wsn,
     stride_om,
     k_per_split,
+    ROW_TILES,  # shape-only bound on the row tiles with work (grid dimension 1 is at most this)
     EP: tl.constexpr,  # next power of two >= E
     DOT_FP8: tl.constexpr,
     BM: tl.constexpr,
@@ -106,7 +115,8 @@ def _moe_gemm_kernel(
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
 ):
     pid_n = tl.program_id(0)
-    t = tl.program_id(1)
+    pid_m = tl.program_id(1)
+    grid_m = tl.num_programs(1)
     pid_k = tl.program_id(2)
     eidx = tl.arange(0, EP)
     emask = eidx < E
@@ -117,6 +127,33 @@ def _moe_gemm_kernel(
     total = tl.sum(nblk, 0)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
+    # Row tiles with something to write: the `total` expert tiles, then (SPLIT == 1; the split-K
+    # reduction zeros them otherwise) the tiles of rows past offsets[E]. Capped by the shape-only
+    # bound ROW_TILES (valid offsets never reach it); this program takes pid_m, pid_m + grid_m, ...
+    if SPLIT == 1:
+        end = total + (tl.maximum(R - tl.load(off_ptr + E).to(tl.int32), 0) + BM - 1) // BM
+    else:
+        end = total
+    end = tl.minimum(end, ROW_TILES)
+    for t in range(pid_m, end, grid_m):
+        _moe_tile(
+            x_ptr, xs_ptr, w_ptr, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_xm, stride_xsm,
+            stride_we, stride_wn, stride_wse, stride_wsn, stride_om, k_per_split,
+            t, total, eidx, lo, hi, nblk, cum, offs_n, n_mask, pid_k,
+            DOT_FP8, BM, BN, BK, SPLIT, OUT_KIND, ASM, F32_DOT,
+        )
+
+
+@triton.jit
+def _moe_tile(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_xm, stride_xsm,
+    stride_we, stride_wn, stride_wse, stride_wsn, stride_om, k_per_split,
+    t, total, eidx, lo, hi, nblk, cum, offs_n, n_mask, pid_k,
+    DOT_FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+    OUT_KIND: tl.constexpr, ASM: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """Row tile ``t``: expert tile ``t`` when ``t < total``, else (SPLIT == 1) zeros for row
+    tile ``t - total`` past offsets[E]."""
     if t < total:
         e = tl.sum((cum <= t).to(tl.int32), 0)
         sel = eidx == e
@@ -254,7 +291,10 @@ def grouped_fp4_gemm(
     kind = _OUT_KIND[out_dtype]
     offs = expert_offsets if expert_offsets.is_contiguous() else expert_offsets.contiguous()
     target = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(r, cfg["BM"]) + e_count + 1, split)
+    n_tiles = triton.cdiv(n, cfg["BN"])
+    row_tiles = min(r, triton.cdiv(r, cfg["BM"]) + e_count + 1)  # each tile with work has a row
+    grid_m = max(1, min(row_tiles, _PROGRAMS_PER_SM * sm_count(x.device) // (n_tiles * split)))
+    grid = (n_tiles, grid_m, split)
     _moe_gemm_kernel[grid](
         xv,
         xs,
@@ -274,6 +314,7 @@ def grouped_fp4_gemm(
         s.stride(1),
         out.stride(0),
         k_per_split,
+        row_tiles,
         EP=triton.next_power_of_2(e_count),
         DOT_FP8=design == "fp8",
         SPLIT=split,
