@@ -36,6 +36,8 @@ SWEEP_DECODE = [
     dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=1),
     dict(BM=16, BN=128, BK=256, num_warps=8, num_stages=3, SPLIT=1),
     dict(BM=16, BN=32, BK=512, num_warps=4, num_stages=3, SPLIT=2),
+    # one row tile per program (GRID_M >= the row-tile bound): the persistent loop's balance A/B
+    dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=1, GRID_M=64),
 ]
 SWEEP_PREFILL = [
     dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3),

@@ -3,8 +3,9 @@
 Identical inputs, both act modes and every design; random expert offsets with empty experts
 and rows past ``offsets[-1]`` (which must come out exactly zero: the output memory is
 poisoned first). fp32 outputs within ``2e-6 * K * (|x_used| @ |W|.T)``, bf16 within one bf16
-ulp of the fp32 reference. Flash shapes on the GPU: w13 (N=4608, K=5120) and w2 (N=5120,
-K=2304) of the 48 experts of one EP=8 rank. Run-to-run determinism; CUDA-graph capture,
+ulp of the fp32 reference; row programs fewer than the row tiles (the persistent loop) give
+the same bits as one tile per program. Flash shapes on the GPU: w13 (N=4608, K=5120) and w2
+(N=5120, K=2304) of the 48 experts of one EP=8 rank. Run-to-run determinism; CUDA-graph capture,
 replayed with new activations and new offsets, equal to eager bit for bit.
 """
 
@@ -97,6 +98,25 @@ def test_moe_gemm_matches_reference(device, act, design, out_dtype, e, n, k, r, 
     ref = quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32)
     assert got.shape == (r, n) and got.dtype == out_dtype
     check_grouped(got, ref, x, act, w, s, offs)
+
+
+@pytest.mark.parametrize("act,design", MODES)
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("grid_m", [1, 2, 3])
+def test_moe_gemm_persistent_rows(device, act, design, split, grid_m):
+    """Fewer row programs than row tiles: each loops over expert tiles and then the tiles past
+    offsets[-1]; bit-equal to the default grid (one tile per program here) and to the reference."""
+    e, n, k, r = 6, 64, 128, 45
+    w, s = make_experts(e, n, k, seed=21, device=device)
+    x = make_x(r, k, seed=22, device=device)
+    offs = make_offsets(e, r, seed=23, device=device, tail=37)  # 3 of the 3-4 row tiles zeroed
+    cfg = dict(BM=16, BN=32, BK=64, SPLIT=split, num_warps=4)
+    want = grouped_fp4_gemm(x, offs, w, s, act, torch.bfloat16, design=design, config=cfg)
+    poison_(torch.empty(r, n, dtype=torch.bfloat16, device=device))
+    cfg_m = {**cfg, "GRID_M": grid_m}
+    got = grouped_fp4_gemm(x, offs, w, s, act, torch.bfloat16, design=design, config=cfg_m)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    check_grouped(got, quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32), x, act, w, s, offs)
 
 
 @pytest.mark.parametrize("act,design", MODES)

@@ -2,9 +2,10 @@
 
 Same arguments and numbers as ``ops.quant_gemm.grouped_fp4_gemm``: rows
 ``offsets[e]:offsets[e+1]`` of ``x`` times expert ``e``'s decoded weight, fp32 accumulation,
-one rounding; rows past ``offsets[-1]`` are zero. No host synchronisation: the row tiles are bounded from
-shapes only (``min(R, cdiv(R, BM) + E + 1)``) and walked by a persistent loop: the grid has
-``grid_m = max(1, min(bound, 16 * SMs // (N tiles * split)))`` programs along rows; each reads
+one rounding; rows past ``offsets[-1]`` are zero. No host synchronisation: the row tiles are
+bounded from shapes only (``min(R, cdiv(R, BM) + E + 1)``) and walked by a persistent loop: the
+grid has ``grid_m = max(1, min(bound, 16 * SMs // (N tiles * split)))`` programs along rows (a
+config's ``GRID_M`` overrides it: tests, benchmarks); each reads
 the ``E + 1`` offsets once, counts each expert's row tiles (``tl.cumsum``) and takes tiles
 ``pid_m, pid_m + grid_m, ...`` while they have work: expert tiles (it finds the expert and row
 tile itself), then tiles zeroing the rows past ``offsets[-1]`` (or the split-K reduction does).
@@ -293,7 +294,9 @@ def grouped_fp4_gemm(
     target = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
     n_tiles = triton.cdiv(n, cfg["BN"])
     row_tiles = min(r, triton.cdiv(r, cfg["BM"]) + e_count + 1)  # each tile with work has a row
-    grid_m = max(1, min(row_tiles, _PROGRAMS_PER_SM * sm_count(x.device) // (n_tiles * split)))
+    grid_m = cfg.pop("GRID_M", None) or max(
+        1, min(row_tiles, _PROGRAMS_PER_SM * sm_count(x.device) // (n_tiles * split))
+    )
     grid = (n_tiles, grid_m, split)
     _moe_gemm_kernel[grid](
         xv,
