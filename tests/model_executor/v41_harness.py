@@ -59,16 +59,24 @@ class PagedHarness:
         num_blocks: int = 256,
         speculative_config: dict | None = None,
         device: str = "cpu",
+        max_model_len: int = 1024,
+        load_weights: bool = True,
+        ring_blocks: int | None = None,
+        **engine_args,
     ):
+        """``load_weights=False`` leaves the parameters uninitialised (benchmarks fill them);
+        ``ring_blocks``: blocks of the compressor-ring caches (one per request; default
+        ``num_blocks``); ``engine_args`` go to vLLM's ``EngineArgs`` (e.g. ``max_num_seqs``)."""
         import deepinfer_vllm
 
         deepinfer_vllm.register()
         args = EngineArgs(
             model=model_dir,
             dtype=dtype,
-            max_model_len=1024,
+            max_model_len=max_model_len,
             block_size=block_size,
             speculative_config=speculative_config,
+            **engine_args,
         )
         self.cfg = args.create_engine_config()
         self.device = torch.device(device)
@@ -80,13 +88,15 @@ class PagedHarness:
         ):
             single_rank_groups()
             self.model = DeepseekV41ForCausalLM(vllm_config=self.cfg)
-            self.model.load_weights(self._weights(model_dir))
+            if load_weights:
+                self.model.load_weights(self._weights(model_dir))
         self.block_size = self.cfg.cache_config.block_size
         self.num_blocks = num_blocks
+        self.ring_blocks = ring_blocks or num_blocks
         for layer in self.model.cache_layers.values():
             spec = layer.get_kv_cache_spec(self.cfg)
             cache = torch.zeros(
-                num_blocks,
+                self.ring_blocks if layer.kind == "ring" else num_blocks,
                 1,
                 spec.num_states,
                 spec.state_content_size_bytes,
@@ -97,9 +107,17 @@ class PagedHarness:
                 cache = cache.view(spec.dtype)
             layer.bind_kv_cache(cache)
         # One block counter per cache (block 0 is vLLM's null block).
+        self.reset()
+        self._builders: dict[str, V41MetadataBuilder] = {}
+
+    def reset(self) -> None:
+        """Forget every request and hand out blocks from the start again (caches keep their bytes)."""
         self._next_block = defaultdict(lambda: itertools.count(1))
         self.requests: dict[str, _Request] = {}
-        self._builders: dict[str, V41MetadataBuilder] = {}
+
+    def add_context(self, rid: str, length: int, token: int = 3) -> None:
+        """A request whose first ``length`` tokens count as cached (whatever the cache holds)."""
+        self.requests[rid] = _Request(tokens=[token] * length)
 
     @staticmethod
     def _weights(model_dir: str):
@@ -112,7 +130,7 @@ class PagedHarness:
         needed = 1 if ring else -(-length // self.block_size)
         while len(blocks) < needed:
             blocks.append(next(self._next_block[name]))
-            assert blocks[-1] < self.num_blocks, "harness ran out of blocks"
+            assert blocks[-1] < (self.ring_blocks if ring else self.num_blocks), "harness ran out of blocks"
         return blocks
 
     def step(self, chunks: list[tuple[str, list[int]]], prompt_lens: list[int] | None = None) -> torch.Tensor:

@@ -1,0 +1,289 @@
+"""One Flash-shaped V4.1 layer through the model class on the GPU: decode and prefill,
+eager and replayed from a CUDA graph.
+
+The model is the plugin's class with one backbone layer of the release's dimensions (a
+"full" CSA2 layer: ratio-2 compressed KV and index source, top-512 sparse attention over
+the 128-token window and the selected entries, MoE) and this rank's expert shard at EP=8
+(48 of 384 routed experts; data-parallel attention, as a DP=8 + EP=8 deployment runs it).
+Weights are filled in place with values of their released formats (no checkpoint file:
+the shard alone is 0.85 GB of packed E2M1); caches hold zero records, and timing does not
+depend on their values. Without Engram, DSpark and vision. Embedding and head are outside
+the timed forward except the embedding lookup and final norm (the head's GEMM is vLLM's
+sampler's, not the layer's).
+
+Printed per case: time, bytes the step must read (the layer's weights, the experts its
+tokens route to on this rank, window + selected compressed records + visible index keys),
+FLOPs, the ratio of time to the bytes' copy-bandwidth roofline, and FLOP/s against the
+fp8 matmul rate measured in the same run. Goal (issue 22): graphed decode at batch 64
+within 2x of its roofline.
+
+Run on the GPU host through the carried vLLM sources:
+``bash tests/gpu_model/run.sh --python benchmarks/gpu_model.py`` (``--quick``: batch 1 and
+64 at 8K only). ``--dry-run`` runs the same code on the CPU at tiny dimensions (no timings
+worth reading; it checks the benchmark itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # config classes only (see tests/gpu_model)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "model_executor"))
+
+import torch  # noqa: E402
+
+EP = 8  # expert-parallel ranks emulated: this rank holds n_routed_experts / EP experts
+DECODE = [(1, 8192), (64, 8192), (256, 8192), (1, 65536), (64, 65536), (256, 65536)]
+QUICK = [(1, 8192), (64, 8192)]
+PREFILL_TOKENS = 8192
+E8M0_SCALE = 121  # 2^-6: weights of random e4m3 / e2m1 codes come out at ~0.02
+
+
+def layer_config(preset: str) -> dict:
+    """The preset's config cut to one full CSA2 layer (ratio 2, KV, index source)."""
+    from deepinfer_vllm.tools.presets import get_preset
+
+    cfg = get_preset(preset)
+    t = cfg["text_config"]
+    t.update(
+        num_hidden_layers=1,
+        compress_ratios=[2],
+        kv_source_layer_ids=[0],
+        index_source_layer_ids=[0],
+        candidate_source_layer_id=-1,
+        engram_layer_ids=[],
+        engram_num_embeddings=[],
+        num_nextn_predict_layers=0,
+        dspark_target_layer_ids=[],
+    )
+    cfg.pop("vision_config", None)
+    return cfg
+
+
+def fill_parameters(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter set to finite values of its stored format."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        d = p.data
+        if d.dtype == torch.float8_e8m0fnu:
+            d.view(torch.uint8).fill_(E8M0_SCALE)
+        elif d.dtype == torch.float8_e4m3fn:
+            d.copy_(torch.randn(d.shape, generator=g, device=d.device).to(torch.float8_e4m3fn))
+        elif d.dtype == torch.int8:  # packed E2M1: every byte is two valid codes
+            d.copy_(torch.randint(-128, 128, d.shape, generator=g, device=d.device, dtype=torch.int8))
+        elif "norm" in name:
+            d.fill_(1.0)
+        elif name.endswith("bias") or "attn_sink" in name:
+            d.zero_()
+        else:
+            d.copy_(torch.randn(d.shape, generator=g, device=d.device) * 0.02)
+
+
+def emulate_expert_shard() -> None:
+    """This process as rank 0 of EP data-parallel ranks: experts and tokens split as
+    ``ParallelLayout`` does; the one-process groups make the collectives identities."""
+    from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
+
+    ParallelLayout.from_vllm = classmethod(lambda cls, vllm_config: cls(dp_size=EP, expert_parallel=True))
+
+
+def layer_bytes(model) -> tuple[int, int, int]:
+    """(bytes of the layer without routed experts, bytes of one routed expert, its elements)."""
+    layer = model.layers[0]
+    experts = layer.ffn.experts if hasattr(layer, "ffn") else layer.mlp.experts
+    routed = {id(p) for p in experts.parameters()}
+    dense = sum(p.numel() * p.element_size() for p in layer.parameters() if id(p) not in routed)
+    n_local = experts.w13.shape[0]
+    per_expert = sum(p.numel() * p.element_size() for p in experts.parameters()) // n_local
+    per_expert_elems = 2 * (experts.w13[0].numel() + experts.w2[0].numel())  # packed: 2 per byte
+    return dense, per_expert, per_expert_elems
+
+
+class RoutingProbe:
+    """Records the expert ids the layer's MoE routes to (for the bytes and FLOPs)."""
+
+    def __init__(self, experts):
+        self.experts, self.ids = experts, None
+        plain = experts.partial
+
+        def partial(x, weights, ids, limit, grouped=None):
+            self.ids = ids.detach().clone()
+            return plain(x, weights, ids, limit, grouped)
+
+        experts.partial = partial
+
+    def local(self) -> tuple[int, int]:
+        """(distinct local experts touched, local (token, expert) pairs)."""
+        ids = self.ids.reshape(-1)
+        lo, hi = self.experts.local.start, self.experts.local.stop
+        mine = ids[(ids >= lo) & (ids < hi)]
+        return int(torch.unique(mine).numel()), int(mine.numel())
+
+
+def step_cost(
+    arch, dense_bytes, expert_bytes, expert_elems, touched, pairs, tokens, ctx
+) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one step of ``tokens`` tokens each seeing ``ctx`` positions."""
+    visible = ctx // 2
+    selected = min(arch.index_topk, visible)
+    kv = tokens * (arch.sliding_window * 528 + selected * 288 + visible * 68)
+    bytes_read = dense_bytes + touched * expert_bytes + kv
+    dense_elems = dense_bytes  # FP8: one byte per element (bf16 / fp32 islands are small)
+    flops = 2.0 * tokens * dense_elems + 2.0 * pairs * expert_elems
+    flops += 2.0 * tokens * arch.index_n_heads * arch.index_head_dim * visible
+    flops += 4.0 * tokens * arch.num_heads * arch.head_dim * (arch.sliding_window + selected)
+    return float(bytes_read), flops
+
+
+def model_forward(model, harness, ids, positions, metadata):
+    """The model's forward (hidden states, no head) on prepared step inputs."""
+    from vllm.forward_context import set_forward_context
+
+    def forward():
+        with set_forward_context(metadata, harness.cfg):
+            return model(ids, positions)
+
+    return forward
+
+
+def timed(fn, reps: int, device) -> float:
+    """Median seconds of ``fn`` (events on CUDA, wall clock on the CPU)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def graphed(forward) -> callable:
+    """``forward`` captured once (after a warm-up on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph.replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="tiny dimensions on the CPU")
+    args = parser.parse_args()
+    from v41_harness import PagedHarness
+
+    from deepinfer_vllm.tools.make_checkpoint import write_config
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    cases = [(2, 256)] if args.dry_run else (QUICK if args.quick else DECODE)
+    prefill = 64 if args.dry_run else PREFILL_TOKENS
+    block = 16  # vLLM's CPU platform classes (which build the config here) force 16 for MLA
+    max_len = max(ctx for _, ctx in cases) + prefill + block
+    need_blocks = max(max(b * -(-(ctx + 1) // block) for b, ctx in cases), -(-prefill // block)) + 8
+    emulate_expert_shard()
+    os.environ.setdefault("DEEPINFER_ATTENTION_KERNELS", "torch" if args.dry_run else "triton")
+    model_dir = write_config(
+        tempfile.mkdtemp(prefix="gpu_model_"), config=layer_config("tiny" if args.dry_run else "flash")
+    )
+    harness = PagedHarness(
+        str(model_dir),
+        dtype="bfloat16",
+        device=str(device),
+        block_size=block,
+        num_blocks=need_blocks,
+        max_model_len=max_len,
+        load_weights=False,
+        ring_blocks=max(b for b, _ in cases) + 8,
+        max_num_seqs=max(b for b, _ in cases),
+        max_num_batched_tokens=max(prefill, max(b for b, _ in cases)),
+    )
+    model, arch = harness.model, harness.model.arch
+    fill_parameters(model)
+    dense, per_expert, per_expert_elems = layer_bytes(model)
+    experts = model.layers[0].ffn.experts if hasattr(model.layers[0], "ffn") else model.layers[0].mlp.experts
+    probe = RoutingProbe(experts)
+    if device.type == "cuda":
+        from benchmarks.gpu.common import measure_ceilings
+
+        c = measure_ceilings()
+        copy_bw, fp8_rate = c.copy_bytes_per_s, c.fp8_flops_per_s
+        print(
+            f"device: {torch.cuda.get_device_name()}  copy {copy_bw / 1e12:.2f} TB/s, "
+            f"fp8 {fp8_rate / 1e12:.0f} TFLOP/s"
+        )
+    else:
+        copy_bw, fp8_rate = 1e11, 1e12  # placeholders: a dry run checks the code, not the speed
+    print(
+        f"layer: {dense / 1e6:.1f} MB without routed experts; {len(experts.local)} local experts of "
+        f"{arch.n_routed_experts} ({per_expert / 1e6:.2f} MB each)"
+    )
+    print(
+        f"{'case':28s} {'mode':7s} {'us':>9s} {'MB read':>9s} {'roofline x':>10s} "
+        f"{'TFLOP/s':>8s} {'% fp8':>6s}"
+    )
+
+    def report(case, mode, seconds, nbytes, flops):
+        roof = nbytes / copy_bw
+        print(
+            f"{case:28s} {mode:7s} {seconds * 1e6:9.1f} {nbytes / 1e6:9.1f} {seconds / roof:10.2f} "
+            f"{flops / seconds / 1e12:8.1f} {100 * flops / seconds / fp8_rate:5.1f}%"
+        )
+
+    n_case = 0
+    for batch, ctx in cases:
+        harness.reset()
+        rids = [f"c{n_case}_{i}" for i in range(batch)]
+        n_case += 1
+        for rid in rids:  # a context of zero records: the step reads every page it would
+            harness.add_context(rid, ctx)
+        width = -(-max_len // block)
+        ids, positions, metadata = harness.prepare([(rid, [5]) for rid in rids], table_width=width)
+        for meta in metadata.values():
+            meta.max_seq_len = (
+                harness.cfg.model_config.max_model_len if device.type == "cuda" else meta.max_seq_len
+            )
+
+        forward = model_forward(model, harness, ids, positions, metadata)
+        forward()
+        touched, pairs = probe.local()
+        nbytes, flops = step_cost(arch, dense, per_expert, per_expert_elems, touched, pairs, batch, ctx)
+        name = f"decode B={batch} ctx={ctx // 1024}K"
+        report(name, "eager", timed(forward, 5 if args.dry_run else 20, device), nbytes, flops)
+        if device.type == "cuda":
+            replay = graphed(forward)
+            report(name, "graphed", timed(replay, 50, device), nbytes, flops)
+            del replay
+            torch.cuda.empty_cache()
+    harness.reset()
+    prompt = [7] * prefill
+    ids, positions, metadata = harness.prepare([("prefill", prompt)])
+
+    prefill_forward = model_forward(model, harness, ids, positions, metadata)
+    prefill_forward()
+    touched, pairs = probe.local()
+    nbytes, flops = step_cost(arch, dense, per_expert, per_expert_elems, touched, pairs, prefill, prefill)
+    report(f"prefill {prefill} tokens", "eager", timed(prefill_forward, 3, device), nbytes, flops)
+
+
+if __name__ == "__main__":
+    main()
