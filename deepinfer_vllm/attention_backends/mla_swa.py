@@ -119,9 +119,13 @@ class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):
         seq_lens.copy_(cm.seq_lens[:num_reqs])
         context_lens = self._buffer("_context_lens", num_reqs, num_reqs)
         torch.sub(seq_lens, qsl[1:] - qsl[:-1], out=context_lens)
-        # Request row of each token: how many requests end at or before it.
+        # Request row of each token: how many requests end at or before it. Tokens past the
+        # last request's (a padded CUDA-graph batch) go to the last row, a padding request
+        # whose block-table row is vLLM's null block: their writes land there.
+        self._check_padding(cm)
         token_req = self._buffer("_token_req", num_tokens, num_tokens)
         torch.searchsorted(qsl[1:], self._arange[:num_tokens], right=True, out=token_req)
+        token_req.clamp_(max=max(num_reqs - 1, 0))
         positions = cm.positions
         assert positions is not None, "V4.1 needs token positions in the metadata"
         table = cm.block_table_tensor
@@ -143,6 +147,20 @@ class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):
             max_seq_len=int(cm.max_seq_len),
             max_query_len=int(cm.max_query_len),
         )
+
+    @staticmethod
+    def _check_padding(cm: CommonAttentionMetadata) -> None:
+        """Padding tokens must belong to a padding request (vLLM pads uniform decode batches
+        so); otherwise they would write into a real request's pages. Host values only."""
+        real = int(cm.query_start_loc_cpu[cm.num_reqs])
+        if cm.num_actual_tokens <= real:
+            return
+        bound = cm.seq_lens_cpu_upper_bound
+        if bound is None or int(bound[cm.num_reqs - 1]) != 0:
+            raise NotImplementedError(
+                f"{BACKEND_NAME}: a batch padded to {cm.num_actual_tokens} tokens ({real} scheduled) "
+                "without a padding request; V4.1 supports CUDA graphs of uniform decode batches only"
+            )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> V41StepMetadata:
         meta = self.build(0, common_attn_metadata)

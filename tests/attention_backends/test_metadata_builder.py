@@ -74,3 +74,24 @@ def test_captured_steps_use_the_static_bound_and_uniform_decode_is_declared():
 def test_a_step_larger_than_the_buffers_is_refused_by_name():
     with pytest.raises(ValueError, match="max_num_seqs / max_num_batched_tokens"):
         _builder().build(0, _common([30, 3], [0, 0]))
+
+
+def test_padded_tokens_go_to_the_padding_request():
+    """vLLM pads a uniform decode batch for a CUDA graph with requests of no tokens, null
+    block rows and seq_len 0; the padding tokens then belong to the last (padding) row."""
+    common = _common([1, 1, 0, 0], [4, 6, 0, 0])
+    common.num_actual_tokens = 4  # 2 scheduled tokens padded to 4
+    common.positions = torch.tensor([4, 6, 0, 0])
+    common.seq_lens_cpu_upper_bound = common.seq_lens.clone()
+    meta = _builder().build(0, common)
+    assert meta.token_req.tolist() == [0, 1, 3, 3]
+    assert meta.seq_lens.tolist() == [5, 7, 0, 0]
+
+
+def test_padding_without_a_padding_request_is_refused():
+    common = _common([1, 2], [4, 6])
+    common.num_actual_tokens = 5  # 3 scheduled tokens padded to 5, the last row a real request
+    common.positions = torch.arange(5)
+    common.seq_lens_cpu_upper_bound = common.seq_lens.clone()
+    with pytest.raises(NotImplementedError, match="uniform decode batches only"):
+        _builder().build(0, common)
