@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (

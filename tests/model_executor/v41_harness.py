@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
+
 from vllm.config import set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.forward_context import set_forward_context

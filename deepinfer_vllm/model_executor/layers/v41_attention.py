@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear
 

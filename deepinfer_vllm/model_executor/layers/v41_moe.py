@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from vllm.model_executor.layers.linear import ColumnParallelLinear
 
 from deepinfer_vllm import envs

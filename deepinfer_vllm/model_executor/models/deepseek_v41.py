@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
