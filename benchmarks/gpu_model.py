@@ -94,10 +94,8 @@ def emulate_expert_shard() -> None:
     ParallelLayout.from_vllm = classmethod(lambda cls, vllm_config: cls(dp_size=EP, expert_parallel=True))
 
 
-def layer_bytes(model) -> tuple[int, int, int]:
-    """(bytes of the layer without routed experts, bytes of one routed expert, its elements)."""
-    layer = model.layers[0]
-    experts = layer.ffn.experts if hasattr(layer, "ffn") else layer.mlp.experts
+def layer_bytes(layer, experts) -> tuple[int, int, int]:
+    """(bytes of ``layer`` without its routed ``experts``, bytes of one routed expert, its elements)."""
     routed = {id(p) for p in experts.parameters()}
     dense = sum(p.numel() * p.element_size() for p in layer.parameters() if id(p) not in routed)
     n_local = experts.w13.shape[0]
@@ -219,8 +217,8 @@ def main() -> None:
     )
     model, arch = harness.model, harness.model.arch
     fill_parameters(model)
-    dense, per_expert, per_expert_elems = layer_bytes(model)
-    experts = model.layers[0].ffn.experts if hasattr(model.layers[0], "ffn") else model.layers[0].mlp.experts
+    experts = model.layers[0].ffn.experts
+    dense, per_expert, per_expert_elems = layer_bytes(model.layers[0], experts)
     probe = RoutingProbe(experts)
     if device.type == "cuda":
         from benchmarks.gpu.common import measure_ceilings
@@ -258,10 +256,8 @@ def main() -> None:
             harness.add_context(rid, ctx)
         width = -(-max_len // block)
         ids, positions, metadata = harness.prepare([(rid, [5]) for rid in rids], table_width=width)
-        for meta in metadata.values():
-            meta.max_seq_len = (
-                harness.cfg.model_config.max_model_len if device.type == "cuda" else meta.max_seq_len
-            )
+        for meta in metadata.values():  # the bound a captured step uses (as vLLM's builder gives it)
+            meta.max_seq_len = harness.cfg.model_config.max_model_len
 
         forward = model_forward(model, harness, ids, positions, metadata)
         forward()

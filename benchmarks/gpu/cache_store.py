@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.gpu.common import HEADER, Ceilings, Row, measure_ceilings, time_s  # noqa: E402
+from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops.compressor import pool_ratio2  # noqa: E402
 from deepinfer_vllm.ops.paged_records import RecordFormat, write_records_at_slots  # noqa: E402
 from deepinfer_vllm.ops.triton.cache_store import pool_pairs, store_records  # noqa: E402
@@ -86,8 +86,4 @@ def run(ceilings: Ceilings) -> list[Row]:
 
 
 if __name__ == "__main__":
-    c = measure_ceilings()
-    print(f"copy ceiling {c.copy_bytes_per_s / 1e12:.2f} TB/s")
-    print("  ".join(HEADER))
-    for row in run(c):
-        print("  ".join(row.cells(c)))
+    print_module(run)

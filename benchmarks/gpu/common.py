@@ -142,3 +142,15 @@ class Row:
 
 
 HEADER = ["kernel", "shape", "us", "TB/s", "TFLOP/s", "% copy", "% bf16 mm", "% fp8 mm", "vs baseline"]
+
+
+def print_module(run) -> None:
+    """A benchmark module run on its own: the ceilings measured now, then its rows."""
+    c = measure_ceilings()
+    print(
+        f"copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {c.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
+        f"fp8 {c.fp8_flops_per_s / 1e12:.0f} TFLOP/s"
+    )
+    print("  ".join(HEADER))
+    for row in run(c):
+        print("  ".join(row.cells(c)))

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.gpu.common import HEADER, Ceilings, Row, measure_ceilings, time_s  # noqa: E402
+from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops import quant  # noqa: E402
 from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm, pick_config  # noqa: E402
 
@@ -138,8 +138,4 @@ def run(ceilings: Ceilings) -> list[Row]:
 
 
 if __name__ == "__main__":
-    c = measure_ceilings()
-    print(f"copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, fp8 {c.fp8_flops_per_s / 1e12:.0f} TFLOP/s")
-    print("  ".join(HEADER))
-    for row in run(c):
-        print("  ".join(row.cells(c)))
+    print_module(run)

@@ -45,21 +45,25 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _forced_triton(variable: str, device: torch.device) -> str:
+    """Check that ``variable=triton`` can run on ``device``; the reason to log."""
+    if not _triton_available():
+        raise RuntimeError(f"{variable}=triton but Triton is not installed")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"{variable}=triton needs a CUDA device (got {device}); "
+            "on a CPU set TRITON_INTERPRET=1 (tests only)"
+        )
+    return f"{variable}=triton"
+
+
 def choose_attention_kernels(device: torch.device) -> str:
     """``"triton"`` or ``"torch"`` for tensors on ``device`` (``DEEPINFER_ATTENTION_KERNELS``)."""
     mode = envs.attention_kernels()
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if mode == "torch":
         choice, why = "torch", "DEEPINFER_ATTENTION_KERNELS=torch"
     elif mode == "triton":
-        if not _triton_available():
-            raise RuntimeError("DEEPINFER_ATTENTION_KERNELS=triton but Triton is not installed")
-        if device.type != "cuda" and not interpret:
-            raise RuntimeError(
-                f"DEEPINFER_ATTENTION_KERNELS=triton needs a CUDA device (got {device}); "
-                "on a CPU set TRITON_INTERPRET=1 (tests only)"
-            )
-        choice, why = "triton", "DEEPINFER_ATTENTION_KERNELS=triton"
+        choice, why = "triton", _forced_triton("DEEPINFER_ATTENTION_KERNELS", device)
     elif device.type == "cuda" and _triton_available():
         choice, why = "triton", f"CUDA device {torch.cuda.get_device_name(device)}"
     else:
@@ -89,23 +93,16 @@ def choose_gemm_kernels(device: torch.device, dtype: torch.dtype) -> str:
     keep the reference, which accumulates in fp64, and so does batch-invariant mode in
     ``auto`` (the kernels' tiles depend on the number of rows)."""
     mode = envs.gemm_kernels()
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if mode == "torch":
         choice, why = "torch", "DEEPINFER_GEMM_KERNELS=torch"
     elif mode == "triton":
-        if not _triton_available():
-            raise RuntimeError("DEEPINFER_GEMM_KERNELS=triton but Triton is not installed")
-        if device.type != "cuda" and not interpret:
-            raise RuntimeError(
-                f"DEEPINFER_GEMM_KERNELS=triton needs a CUDA device (got {device}); "
-                "on a CPU set TRITON_INTERPRET=1 (tests only)"
-            )
+        why = _forced_triton("DEEPINFER_GEMM_KERNELS", device)
         if dtype != torch.bfloat16:
             raise RuntimeError(
                 f"DEEPINFER_GEMM_KERNELS=triton needs a bfloat16 model (got {dtype}); "
                 "fp32 models run the fp64-accumulating reference GEMMs"
             )
-        choice, why = "triton", "DEEPINFER_GEMM_KERNELS=triton"
+        choice = "triton"
     elif envs.batch_invariant():
         # The kernels pick tiles and K splits by M; the reference's fixed row tiles do not.
         choice, why = "torch", "DEEPINFER_BATCH_INVARIANT=1"

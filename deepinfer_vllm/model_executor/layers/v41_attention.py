@@ -225,11 +225,10 @@ class V41Attention(nn.Module):
         indexer scores + top-k over the paged index keys, sparse attention
         straight from the paged records."""
         fast = _kernel_path()
-        dev = x.device
-        pos = state.positions.to(dev)
-        req = state.token_req.to(dev)
+        pos = state.positions
+        req = state.token_req
         window = PagedView(self.window_cache, state)
-        window_lo = self._window_lower_bound(state).to(dev)
+        window_lo = self._window_lower_bound(state)
         fast.store(window, req, pos, kv, keep=pos >= window_lo)
         if self.role.is_kv_source and write_compressed:
             self.write_compressed(x, state)
@@ -267,8 +266,8 @@ class V41Attention(nn.Module):
         comp = self.compressor
         kernels = self._use_kernels(x)
         dev = x.device
-        pos = state.positions.to(dev)
-        req = state.token_req.to(dev)
+        pos = state.positions
+        req = state.token_req
         keep = None
         if r == 1:
             lat = linear(comp.wkv, x)

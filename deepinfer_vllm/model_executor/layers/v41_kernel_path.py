@@ -29,21 +29,11 @@ if TYPE_CHECKING:
 KEPT_BLOCKS = "kept_blocks"
 
 
-def _block_table(view: PagedView, device: torch.device) -> torch.Tensor:
-    return view.meta.block_table.to(device)
-
-
-def slots(view: PagedView, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
-    """Record slots of ``(request row, entry)`` on the activations' device."""
-    bt_dev = view.meta.block_table.device
-    return view.slots(req.to(bt_dev), entry.to(bt_dev)).to(req.device)
-
-
 def store(view: PagedView, req: torch.Tensor, entry: torch.Tensor, x: torch.Tensor, keep=None) -> None:
     """Quantise-and-store rows of ``x``; rows where ``keep`` is False are skipped (slot -1)."""
     if entry.numel() == 0:
         return
-    s = slots(view, req, entry)
+    s = view.slots(req, entry)
     if keep is not None:
         s = torch.where(keep, s, torch.full_like(s, -1))
     store_records(view.layer.kv_cache, view.layer.record, s, x.contiguous())
@@ -59,9 +49,8 @@ def select(attn: "V41Attention", x: torch.Tensor, c_q: torch.Tensor, state: Step
     a = attn.arch
     r = attn.role.ratio
     T = x.shape[0]
-    dev = x.device
     idx = attn.indexer
-    pos = state.positions.to(dev)
+    pos = state.positions
     qi = linear(idx.wq_b, c_q).view(T, a.index_n_heads, a.index_head_dim)
     qi = quant.mxfp4_qdq(attn._rope(qi, pos))
     w = linear(idx.weights_proj, x)
@@ -71,8 +60,8 @@ def select(attn: "V41Attention", x: torch.Tensor, c_q: torch.Tensor, state: Step
         qi.contiguous(),
         w.contiguous(),
         keys.layer.kv_cache,
-        _block_table(keys, dev),
-        state.token_req.to(dev),
+        keys.meta.block_table,
+        state.token_req,
         (pos + 1) // r,
         ratio=r,
         block_size=keys.meta.block_size,
@@ -100,26 +89,25 @@ def attend(
 ) -> torch.Tensor:
     """Sparse attention over the window records and the selected compressed records."""
     a = attn.arch
-    dev = q.device
     comp = dict()
     if topk is not None:
         source = attn.kv_source
         comp_view = PagedView(source.compressed_cache, state)
         comp = dict(
             comp_cache=comp_view.layer.kv_cache,
-            comp_block_table=_block_table(comp_view, dev),
+            comp_block_table=comp_view.meta.block_table,
             comp_block_size=comp_view.meta.block_size,
             comp_ratio=source.role.ratio,
-            topk=topk.to(dev),
+            topk=topk,
         )
     return sparse_mla_decode(
         q.contiguous(),
         window.layer.kv_cache,
-        _block_table(window, dev),
+        window.meta.block_table,
         window.meta.block_size,
-        state.positions.to(dev),
+        state.positions,
         window_lo,
-        state.token_req.to(dev),
+        state.token_req,
         a.sliding_window,
         attn.attn_sink.float(),
         a.head_dim**-0.5,
