@@ -46,6 +46,40 @@ PREFILL_TOKENS = 8192
 E8M0_SCALE = 121  # 2^-6: weights of random e4m3 / e2m1 codes come out at ~0.02
 
 
+DESIGNS = {
+    1: "the per-token chains on the PyTorch references, wo_a one GEMM per group",
+    2: "mHC sites on the Triton kernels (ops/triton/mhc.py), RMSNorm / RoPE references, wo_a per group",
+    3: "mHC, RMSNorm and RoPE on the Triton kernels, wo_a one block-diagonal GEMM (the model as built)",
+}
+
+
+def use_design(design: int) -> None:
+    """Run the layer as measured design ``design`` (``DESIGNS``; the latest is the model's)."""
+    os.environ["DEEPINFER_FUSED_KERNELS"] = "torch" if design == 1 else "auto"
+    if design >= 3:
+        return
+    from deepinfer_vllm.model_executor.layers import dequant
+    from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
+    from deepinfer_vllm.model_executor.layers.weights import V41Norm
+    from deepinfer_vllm.model_executor.quantization import V41Fp8LinearMethod
+    from deepinfer_vllm.ops.norm import rms_norm
+    from deepinfer_vllm.ops.rope import apply_rope_tail
+
+    def per_group(self, layer, x):
+        rows = layer.weight.shape[0] // x.shape[1]
+        parts = [
+            dequant.gemm_fp8(
+                x[:, g], layer.weight[g * rows :][:rows], layer.scale[g * rows // 32 :][: rows // 32]
+            )
+            for g in range(x.shape[1])
+        ]
+        return torch.stack(parts, dim=1)
+
+    V41Fp8LinearMethod.apply_grouped = per_group
+    V41Norm.forward = lambda self, x: rms_norm(x, self.weight, self.eps)
+    V41Attention._rope = lambda self, x, pos, inverse=False: apply_rope_tail(x, pos, self.rope_cache, inverse)
+
+
 def layer_config(preset: str) -> dict:
     """The preset's config cut to one full CSA2 layer (ratio 2, KV, index source)."""
     from deepinfer_vllm.tools.presets import get_preset
@@ -125,6 +159,11 @@ class RoutingProbe:
         return int(torch.unique(mine).numel()), int(mine.numel())
 
 
+def token(i: int, arch) -> int:
+    """The ``i``-th of a spread of token ids (identical tokens would all route to the same experts)."""
+    return (17 + 7919 * i) % arch.vocab_size
+
+
 def step_cost(
     arch, dense_bytes, expert_bytes, expert_elems, touched, pairs, tokens, ctx
 ) -> tuple[float, float]:
@@ -170,6 +209,79 @@ def timed(fn, reps: int, device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def profile(fn, device, steps: int = 3, rows: int = 30) -> None:
+    """The kernels (operators on the CPU) of ``steps`` calls of ``fn``, by total device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if device.type != "cuda":
+        print(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
+        )
+        return
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("part:"):
+            k = kernels.setdefault(e.name[:70], [0.0, 0])
+            k[0] += e.device_time_total
+            k[1] += 1
+    n = sum(c for _, c in kernels.values())
+    busy = sum(t for t, _ in kernels.values())
+    print(f"device kernels per step: {n / steps:.0f}, busy {busy / steps:.1f} us/step")
+    for name, (t, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"  {name:70s} {t / steps:8.1f} us/step {c / steps:6.0f} calls")
+    parts: dict[str, tuple[float, int]] = {}
+    for e in prof.key_averages():  # a part's range appears on the host and on the device (the smaller)
+        if e.key.startswith("part:"):
+            t, c = parts.get(e.key, (float("inf"), 0))
+            parts[e.key] = (min(t, e.device_time_total), max(c, e.count))
+    for key, (t, c) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {key:48s} {t / steps:9.1f} us/step  ({c // steps} calls)")
+
+
+ANNOTATED = {
+    "deepinfer_vllm.model_executor.models.deepseek_v41": ("collapse_norm", "expand"),
+    "deepinfer_vllm.model_executor.layers.v41_mhc:HyperConnection": ("mix",),
+    "deepinfer_vllm.model_executor.layers.v41_attention:V41Attention": (
+        "forward",
+        "write_compressed",
+        "_select",
+        "_attend_with_kernels",
+        "_grouped_wo_a",
+    ),
+    "deepinfer_vllm.model_executor.layers.v41_moe:V41MoE": ("forward",),
+    "deepinfer_vllm.model_executor.layers.v41_moe:Gate": ("forward",),
+    "deepinfer_vllm.model_executor.layers.v41_moe:SharedExpert": ("forward",),
+    "deepinfer_vllm.model_executor.layers.v41_moe:RoutedExperts": ("_partial_grouped", "combine"),
+}
+
+
+def annotate_parts() -> None:
+    """Wrap the layer's parts (``ANNOTATED``) in profiler ranges, for ``--profile``'s by-part table."""
+    import functools
+    import importlib
+
+    for target, names in ANNOTATED.items():
+        module_name, _, cls_name = target.partition(":")
+        owner = importlib.import_module(module_name)
+        owner = getattr(owner, cls_name) if cls_name else owner
+        for name in names:
+            fn = getattr(owner, name)
+            label = f"part:{cls_name or 'block'}.{name}"
+
+            def wrapped(*a, _fn=fn, _label=label, **k):
+                with torch.profiler.record_function(_label):
+                    return _fn(*a, **k)
+
+            setattr(owner, name, functools.wraps(fn)(wrapped))
+
+
 def graphed(forward) -> callable:
     """``forward`` captured once (after a warm-up on a side stream); returns its replay."""
     side = torch.cuda.Stream()
@@ -187,7 +299,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="tiny dimensions on the CPU")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the kernels of each case's eager step by device time",
+    )
+    parser.add_argument(
+        "--design",
+        type=int,
+        choices=sorted(DESIGNS),
+        default=max(DESIGNS),
+        help="; ".join(f"{k}: {v}" for k, v in DESIGNS.items()),
+    )
     args = parser.parse_args()
+    use_design(args.design)
     from v41_harness import PagedHarness
 
     from deepinfer_vllm.tools.make_checkpoint import write_config
@@ -199,6 +324,8 @@ def main() -> None:
     max_len = max(ctx for _, ctx in cases) + prefill + block
     need_blocks = max(max(b * -(-(ctx + 1) // block) for b, ctx in cases), -(-prefill // block)) + 8
     emulate_expert_shard()
+    if args.profile:
+        annotate_parts()
     os.environ.setdefault("DEEPINFER_ATTENTION_KERNELS", "torch" if args.dry_run else "triton")
     model_dir = write_config(
         tempfile.mkdtemp(prefix="gpu_model_"), config=layer_config("tiny" if args.dry_run else "flash")
@@ -255,7 +382,8 @@ def main() -> None:
         for rid in rids:  # a context of zero records: the step reads every page it would
             harness.add_context(rid, ctx)
         width = -(-max_len // block)
-        ids, positions, metadata = harness.prepare([(rid, [5]) for rid in rids], table_width=width)
+        step = [(rid, [token(i, arch)]) for i, rid in enumerate(rids)]  # distinct tokens: routing spreads
+        ids, positions, metadata = harness.prepare(step, table_width=width)
         for meta in metadata.values():  # the bound a captured step uses (as vLLM's builder gives it)
             meta.max_seq_len = harness.cfg.model_config.max_model_len
 
@@ -265,13 +393,15 @@ def main() -> None:
         nbytes, flops = step_cost(arch, dense, per_expert, per_expert_elems, touched, pairs, batch, ctx)
         name = f"decode B={batch} ctx={ctx // 1024}K"
         report(name, "eager", timed(forward, 5 if args.dry_run else 20, device), nbytes, flops)
+        if args.profile:
+            profile(forward, device)
         if device.type == "cuda":
             replay = graphed(forward)
             report(name, "graphed", timed(replay, 50, device), nbytes, flops)
             del replay
             torch.cuda.empty_cache()
     harness.reset()
-    prompt = [7] * prefill
+    prompt = [token(i, arch) for i in range(prefill)]
     ids, positions, metadata = harness.prepare([("prefill", prompt)])
 
     prefill_forward = model_forward(model, harness, ids, positions, metadata)

@@ -12,6 +12,7 @@ the plugin stays cheap to import in every vLLM process.
 | ``DEEPINFER_USE_NEXTN_DECODE`` | unset | DeepInfer's DSpark draft width ``k``: used where vLLM's ``speculative_config`` leaves ``num_speculative_tokens`` to its default. vLLM 0.32 accepts that only when the config names the draft ``model`` (for DSpark, the checkpoint itself) and then fills in ``dspark_block_size``; with this variable set, the platform uses its value instead (an explicit ``num_speculative_tokens`` equal to ``dspark_block_size`` cannot be told apart and yields too). ``0`` refuses DSpark. |
 | ``DEEPINFER_GEMM_KERNELS`` | ``auto`` | kernels of the weight GEMMs (FP8 32x32 dense layers, grouped packed-E2M1 experts). ``auto``: our Triton kernels on CUDA devices for bf16 models; the PyTorch reference elsewhere (fp32 models keep it everywhere: it accumulates in fp64; so does ``DEEPINFER_BATCH_INVARIANT=1``: the kernels' tiles depend on the number of rows). ``torch`` / ``triton`` force one (``triton`` needs bf16 activations; on a CPU only under ``TRITON_INTERPRET=1``). The MoE's Triton path groups tokens by expert on the device, without host synchronisation. The choice is logged once. |
 | ``DEEPINFER_GEMM_ACTIVATIONS`` | ``bf16`` | what the weight GEMMs multiply the FP8 / FP4 weights with. ``bf16``: the activations as computed (the reference numerics). ``mxfp8``: activations first quantised to MXFP8 (e4m3 + UE8M0 per 32 along K), as DeepInfer does on the GPU; the same on every path, so kernels and reference agree. |
+| ``DEEPINFER_FUSED_KERNELS`` | ``auto`` | kernels of the per-token chains between the GEMMs: the hyper-connection sites (mix coefficients with the Sinkhorn loop, collapse + RMSNorm, expand: about 150 small PyTorch kernels per site, four Triton launches), RMSNorm and RoPE (one launch each instead of about 7 and 12). ``auto``: Triton on CUDA devices for bf16 models; the PyTorch reference elsewhere (fp32 models keep it everywhere). ``torch`` / ``triton`` force one (``triton``: on a CPU only under ``TRITON_INTERPRET=1``). Both compute in fp32 and give every row independently of the batch; they differ in summation order, FMA contraction and the exponential's last bits. The choice is logged once. |
 | ``DEEPINFER_ATTENTION_KERNELS`` | ``auto`` | kernels of the attention hot path (cache writes, indexer + top-k, sparse attention). ``auto``: our Triton kernels on CUDA devices, the PyTorch reference elsewhere. ``torch``: always the reference. ``triton``: always Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). The choice is logged once. |
 | ``DEEPINFER_BATCH_INVARIANT`` | ``0`` | ``1``: every row of a step is computed independently of the other rows (requests, prefill chunks, decodes) sharing it, so a request's tokens and logprobs are bitwise the same alone and in any batch, in bf16 and fp32 (greedy and seeded sampling). GEMMs run in fixed row tiles (``ops.numerics.matmul``) and sigmoid / SiLU / softplus on the scalar kernel (``ops.numerics.pointwise``); numerics stay those of the spec (last-ulp differences from ``0``). Costs throughput (``benchmarks/README.md``). ``0``: the fastest kernel for each call. |
 | ``DEEPINFER_GRAMMAR_MAX_WHITESPACE`` | ``16`` | longest whitespace run a V4.1 JSON or tool-call grammar allows (xgrammar's ``max_whitespace_cnt``) where vLLM allows whitespace at all (its ``disable_any_whitespace`` off); without a cap a model can fill ``max_tokens`` with blanks. See ``entrypoints/structured_outputs.py``. |
@@ -86,6 +87,13 @@ def attention_kernels() -> str:
 
 GEMM_KERNEL_MODES = ("auto", "torch", "triton")
 GEMM_ACTIVATIONS = ("bf16", "mxfp8")
+
+
+FUSED_KERNEL_MODES = ("auto", "torch", "triton")
+
+
+def fused_kernels() -> str:
+    return _choice("DEEPINFER_FUSED_KERNELS", FUSED_KERNEL_MODES)
 
 
 def gemm_kernels() -> str:

@@ -1,4 +1,5 @@
-"""Which kernels run V4.1's hot paths (attention, weight GEMMs), chosen once per device and logged.
+"""Which kernels run V4.1's hot paths (attention, weight GEMMs, the fused per-token chains),
+chosen per device and logged once.
 
 The PyTorch reference path (``None`` here) runs everywhere and is what every
 kernel is tested against. On CUDA devices the backend uses our Triton kernels
@@ -87,6 +88,21 @@ def choose_attention_kernels(device: torch.device) -> str:
     return choice
 
 
+def _auto_for_bf16(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """``auto``'s choice for kernels of bf16 models: Triton on CUDA devices, else the reference."""
+    if device.type == "cuda" and _triton_available() and dtype == torch.bfloat16:
+        return "triton", f"CUDA device {torch.cuda.get_device_name(device)}, bf16"
+    return "torch", f"{device.type} device, {str(dtype).removeprefix('torch.')}"
+
+
+def _log_once(what: str, choice: str, why: str, device: torch.device) -> str:
+    key = (what, choice, str(device))
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("DeepInfer V4.1 %s kernels: %s (%s)", what, choice, why)
+    return choice
+
+
 def choose_gemm_kernels(device: torch.device, dtype: torch.dtype) -> str:
     """``"triton"`` or ``"torch"`` for the weight GEMMs of a model computing in ``dtype`` on
     ``device`` (``DEEPINFER_GEMM_KERNELS``). The kernels take bf16 activations; fp32 models
@@ -106,12 +122,20 @@ def choose_gemm_kernels(device: torch.device, dtype: torch.dtype) -> str:
     elif envs.batch_invariant():
         # The kernels pick tiles and K splits by M; the reference's fixed row tiles do not.
         choice, why = "torch", "DEEPINFER_BATCH_INVARIANT=1"
-    elif device.type == "cuda" and _triton_available() and dtype == torch.bfloat16:
-        choice, why = "triton", f"CUDA device {torch.cuda.get_device_name(device)}, bf16"
     else:
-        choice, why = "torch", f"{device.type} device, {str(dtype).removeprefix('torch.')}"
-    key = ("gemm", choice, str(device))
-    if key not in _logged:
-        _logged.add(key)
-        logger.info("DeepInfer V4.1 GEMM kernels: %s (%s)", choice, why)
-    return choice
+        choice, why = _auto_for_bf16(device, dtype)
+    return _log_once("GEMM", choice, why, device)
+
+
+def choose_fused_kernels(device: torch.device, dtype: torch.dtype) -> str:
+    """``"triton"`` or ``"torch"`` for the per-token chains (mHC sites, RMSNorm, RoPE) of a
+    model computing in ``dtype`` on ``device`` (``DEEPINFER_FUSED_KERNELS``). fp32 models
+    keep the reference in ``auto`` (the kernels' summation order is not the reference's)."""
+    mode = envs.fused_kernels()
+    if mode == "torch":
+        choice, why = "torch", "DEEPINFER_FUSED_KERNELS=torch"
+    elif mode == "triton":
+        choice, why = "triton", _forced_triton("DEEPINFER_FUSED_KERNELS", device)
+    else:
+        choice, why = _auto_for_bf16(device, dtype)
+    return _log_once("fused", choice, why, device)

@@ -106,10 +106,9 @@ class V41Fp8LinearMethod(_HeldWeights, LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequant.gemm_fp8(x, layer.weight, layer.scale, out_dtype)
 
-    def apply_rows(self, layer, x: torch.Tensor, rows: slice) -> torch.Tensor:
-        """``x @ W[rows].T`` for a block of whole 32-row tiles (a group of a grouped GEMM)."""
-        scale = layer.scale[rows.start // TILE : rows.stop // TILE]
-        return dequant.gemm_fp8(x, layer.weight[rows], scale)
+    def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal ``x [T, G, K]`` times the ``G`` row groups of ``W`` -> ``[T, G, N/G]``."""
+        return dequant.gemm_fp8_grouped(x, layer.weight, layer.scale)
 
 
 class _StoredWeight(_HeldWeights):

@@ -26,12 +26,11 @@ from deepinfer_vllm.model_executor.checkpoint import dspark_prefix
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
-from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection
+from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collapse_norm, expand
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
 from deepinfer_vllm.model_executor.layers.weights import V41Norm, held, linear
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.dspark import context_window
-from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
 
 __all__ = ["DSparkStage", "build_stages"]
@@ -126,11 +125,11 @@ class DSparkStage(nn.Module):
 
     def forward(self, streams, pre_in, ids, pos, req, anchor, k: int, state: StepState):
         pre_a, post_a, comb_a = self.hc_attn.mix(streams)
-        x = self.attn_norm(hc_collapse(streams, pre_in))
-        streams = hc_expand(self.attn.draft(x, pos, req, anchor, k, state), streams, post_a, comb_a)
+        x = collapse_norm(streams, pre_in, self.attn_norm)
+        streams = expand(self.attn.draft(x, pos, req, anchor, k, state), streams, post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn.mix(streams)
-        x = self.ffn_norm(hc_collapse(streams, pre_a))
-        streams = hc_expand(self.ffn(x, ids), streams, post_f, comb_f)
+        x = collapse_norm(streams, pre_a, self.ffn_norm)
+        streams = expand(self.ffn(x, ids), streams, post_f, comb_f)
         return streams, pre_f
 
 

@@ -71,3 +71,27 @@ def test_gemm_kernels_follow_device_dtype_and_batch_invariance(monkeypatch, capl
     monkeypatch.setenv("DEEPINFER_GEMM_KERNELS", "fast")
     with pytest.raises(ValueError, match="DEEPINFER_GEMM_KERNELS"):
         kernel_select.choose_gemm_kernels(cuda, torch.bfloat16)
+
+
+def test_fused_kernels_follow_device_and_dtype(monkeypatch, caplog):
+    monkeypatch.delenv("DEEPINFER_FUSED_KERNELS", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with caplog.at_level(logging.INFO, logger=kernel_select.__name__):
+        assert kernel_select.choose_fused_kernels(torch.device("cpu"), torch.bfloat16) == "torch"
+    assert [r.getMessage() for r in caplog.records if "fused" in r.getMessage()] == [
+        "DeepInfer V4.1 fused kernels: torch (cpu device, bfloat16)"
+    ]
+    monkeypatch.setenv("DEEPINFER_FUSED_KERNELS", "triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernel_select.choose_fused_kernels(torch.device("cpu"), torch.bfloat16)
+    # auto on a CUDA device: Triton for bf16 models, the reference for fp32 ones
+    monkeypatch.setenv("DEEPINFER_FUSED_KERNELS", "auto")
+    monkeypatch.setattr(kernel_select.torch.cuda, "get_device_name", lambda device=None: "GPU")
+    cuda = torch.device("cuda")
+    assert kernel_select.choose_fused_kernels(cuda, torch.bfloat16) == "triton"
+    assert kernel_select.choose_fused_kernels(cuda, torch.float32) == "torch"
+    monkeypatch.setenv("DEEPINFER_FUSED_KERNELS", "torch")
+    assert kernel_select.choose_fused_kernels(cuda, torch.bfloat16) == "torch"
+    monkeypatch.setenv("DEEPINFER_FUSED_KERNELS", "fast")
+    with pytest.raises(ValueError, match="DEEPINFER_FUSED_KERNELS"):
+        kernel_select.choose_fused_kernels(cuda, torch.bfloat16)

@@ -114,6 +114,34 @@ def test_fp8_gemm_matches_reference(device, act, design, out_dtype, m, n, k, cfg
 
 
 @pytest.mark.parametrize("act,design", MODES)
+@pytest.mark.parametrize(
+    "m,groups,n_group,k",
+    shapes([(3, 2, 64, 96), (20, 4, 96, 64)], [(1, 8, 1024, 512), (64, 8, 1024, 512), (700, 16, 1024, 512)]),
+)
+def test_fp8_gemm_grouped_matches_reference(device, act, design, m, groups, n_group, k):
+    """Block-diagonal GEMM (the attention's grouped output projection): group ``g``'s
+    columns of x times its rows of W, each group against the reference."""
+    w, s = make_weight(groups * n_group, k, seed=groups + k, device=device)
+    x = make_x(m, groups * k, seed=m + 1, device=device)
+    got = fp8_block_gemm(x, w, s, act, torch.bfloat16, groups=groups, design=design)
+    assert got.shape == (m, groups * n_group)
+    for g in range(groups):
+        rows, cols = slice(g * n_group, (g + 1) * n_group), slice(g * k, (g + 1) * k)
+        w_g, s_g = w[rows], s[g * n_group // 32 : (g + 1) * n_group // 32]
+        ref = quant_gemm.fp8_block_gemm(x[:, cols], w_g, s_g, act, torch.float32)
+        check(got[:, rows], ref, quant_gemm.activations(x[:, cols], act), quant.dequant_fp8_block(w_g, s_g))
+
+
+def test_fp8_gemm_grouped_refuses_bad_shapes(device):
+    w, s = make_weight(96, 64, seed=1, device=device)
+    x = make_x(2, 2 * 64, seed=2, device=device)
+    with pytest.raises(ValueError, match="groups of whole 32-row tiles"):
+        fp8_block_gemm(x, w, s, groups=2)  # 48 rows per group
+    with pytest.raises(ValueError, match=r"x \[M, 3 \* K\]"):
+        fp8_block_gemm(x, w, s, groups=3)  # x has 2 groups' columns
+
+
+@pytest.mark.parametrize("act,design", MODES)
 def test_fp8_gemm_deterministic(device, act, design):
     m, n, k = (9, 64, 256) if INTERPRET else (48, 5120, 8192)
     w, s = make_weight(n, k, seed=3, device=device)

@@ -1,6 +1,6 @@
 """The CUDA path's wiring, run on a CPU: the model with every attention hot-path
-operator on our Triton kernels (under ``TRITON_INTERPRET=1``) agrees with the
-full-sequence reference.
+operator and every fused per-token chain (mHC sites, RMSNorm, RoPE) on our Triton
+kernels (under ``TRITON_INTERPRET=1``) agrees with the full-sequence reference.
 
 The kernels themselves are checked against their references on an H200
 (``tests/gpu``); this test checks the glue the GPU host cannot run (it has no
@@ -27,14 +27,16 @@ def test_kernel_path_agrees_with_reference(tiny_checkpoint, tiny_reference, tmp_
     from kernel_path_run import prompts
 
     out = tmp_path / "logits.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_ATTENTION_KERNELS="triton")
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", DEEPINFER_ATTENTION_KERNELS="triton", DEEPINFER_FUSED_KERNELS="triton"
+    )
     run = subprocess.run(
         [sys.executable, str(HERE / "kernel_path_run.py"), tiny_checkpoint, str(out)],
         env=env, cwd=HERE, capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     got = torch.load(out)
-    assert got["used"] == ["triton"]
+    assert got["used"] == ["triton"] and got["fused"] == [("fused", "triton", "cpu")]
     rows_agree, cos = [], []
     for rid, prompt in prompts().items():
         ref = tiny_reference.forward(prompt)

@@ -139,6 +139,35 @@ def gemm_fp8(
     return _gemm_blocks(x, rows, cols, FP8_TILE, decode, out_dtype or x.dtype)
 
 
+def gemm_fp8_grouped(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Block-diagonal ``gemm_fp8``: ``x [T, G, K]``, group ``g`` times rows ``g*N/G ...`` of
+    ``W [N, K]`` -> ``[T, G, N/G]``. One launch on the GEMM kernels; a loop over the
+    groups on the reference."""
+    T, groups, cols = x.shape
+    rows = weight.shape[0] // groups
+    if use_gemm_kernels(x):
+        from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm
+
+        y = fp8_block_gemm(
+            x.reshape(T, groups * cols),
+            weight,
+            scale,
+            envs.gemm_activations(),
+            out_dtype or x.dtype,
+            groups=groups,
+        )
+        return y.view(T, groups, rows)
+    out = torch.empty(T, groups, rows, dtype=out_dtype or x.dtype, device=x.device)
+    for g in range(groups):
+        lo = g * rows
+        out[:, g] = gemm_fp8(
+            x[:, g], weight[lo : lo + rows], scale[lo // FP8_TILE : (lo + rows) // FP8_TILE], out_dtype
+        )
+    return out
+
+
 def gemm_fp4(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:

@@ -23,7 +23,13 @@ from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
-from deepinfer_vllm.model_executor.layers.weights import V41Norm, V41RowParallelLinear, held, linear
+from deepinfer_vllm.model_executor.layers.weights import (
+    V41Norm,
+    V41RowParallelLinear,
+    held,
+    linear,
+    use_fused_kernels,
+)
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.compressor import pool_ratio2
 from deepinfer_vllm.ops.indexer import candidate_block_mask, index_scores, select_topk
@@ -159,6 +165,10 @@ class V41Attention(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        if use_fused_kernels(x) and positions.shape == x.shape[:1] and x.dim() in (2, 3):
+            from deepinfer_vllm.ops.triton.rope import rope_tail
+
+            return rope_tail(x, positions, self.rope_cache, inverse)
         return apply_rope_tail(x, positions, self.rope_cache, inverse=inverse)
 
     # ------------------------------------------------------------------ forward
@@ -186,15 +196,9 @@ class V41Attention(nn.Module):
 
     def _grouped_wo_a(self, group_in: torch.Tensor) -> torch.Tensor:
         """Output group ``g`` of this rank reads its own heads: ``z_g = x_g @ W_g.T`` with
-        ``W_g`` rows ``g * o_lora_rank ...`` of ``wo_a``, one group decoded at a time."""
-        T, groups, _ = group_in.shape
-        rank = self.arch.o_lora_rank
-        method, w = self.wo_a.quant_method, self.wo_a
-        z = torch.empty(T, groups, rank, dtype=group_in.dtype, device=group_in.device)
-        for g in range(groups):
-            rows = slice(g * rank, (g + 1) * rank)
-            z[:, g] = method.apply_rows(w, group_in[:, g], rows)
-        return z.reshape(T, -1)
+        ``W_g`` rows ``g * o_lora_rank ...`` of ``wo_a`` (one block-diagonal GEMM)."""
+        T = group_in.shape[0]
+        return self.wo_a.quant_method.apply_grouped(self.wo_a, group_in).reshape(T, -1)
 
     def _attend_reference(self, x, c_q, q, kv, state: StepState, write_compressed: bool) -> torch.Tensor:
         """Cache writes, selection and attention with the PyTorch reference operators."""

@@ -1,4 +1,5 @@
-"""The mHC parameters of one sublayer site (spec §5), shared by backbone and DSpark blocks."""
+"""The mHC sites (spec §5), shared by backbone and DSpark blocks: parameters, and the three
+operations of a site on the reference or on the Triton kernels (``use_fused_kernels``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,18 @@ import torch
 from torch import nn
 
 from deepinfer_vllm.configs import V41Arch
-from deepinfer_vllm.model_executor.layers.weights import held
-from deepinfer_vllm.ops.mhc import hc_mix
+from deepinfer_vllm.model_executor.layers.weights import V41Norm, held, use_fused_kernels
+from deepinfer_vllm.ops import mhc
+from deepinfer_vllm.ops.norm import rms_norm
+
+
+def _kernels(x: torch.Tensor):
+    """``ops.triton.mhc`` where the fused kernels run for ``x``, else None."""
+    if not use_fused_kernels(x):
+        return None
+    from deepinfer_vllm.ops.triton import mhc as kernels
+
+    return kernels
 
 
 class HyperConnection(nn.Module):
@@ -21,5 +32,23 @@ class HyperConnection(nn.Module):
         self.arch = arch
 
     def mix(self, streams: torch.Tensor):
+        """fp32 ``(pre, post, comb)`` of this site for ``streams [T, hc, D]``."""
         a = self.arch
-        return hc_mix(streams, self.fn, self.base, self.scale, a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
+        impl = _kernels(streams) or mhc
+        return impl.hc_mix(
+            streams, self.fn, self.base, self.scale, a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters
+        )
+
+
+def collapse_norm(streams: torch.Tensor, pre: torch.Tensor, norm: V41Norm) -> torch.Tensor:
+    """``norm(hc_collapse(streams, pre))``: a sublayer's (or the head's) normalised input."""
+    kernels = _kernels(streams)
+    if kernels is not None:
+        return kernels.hc_collapse_norm(streams, pre, norm.weight, norm.eps)
+    return rms_norm(mhc.hc_collapse(streams, pre), norm.weight, norm.eps)
+
+
+def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``hc_expand``: the site's new streams from the sublayer output ``y``."""
+    kernels = _kernels(streams)
+    return (kernels or mhc).hc_expand(y, streams, post, comb)

@@ -16,11 +16,18 @@ from torch import nn
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.linear import RowParallelLinear
 
+from deepinfer_vllm.attention_backends.kernel_select import choose_fused_kernels
 from deepinfer_vllm.model_executor.layers.parallel import all_reduce
 from deepinfer_vllm.ops.norm import rms_norm
 from deepinfer_vllm.ops.numerics import acc_dtype
 
-__all__ = ["V41Norm", "V41RowParallelLinear", "held", "linear"]
+__all__ = ["V41Norm", "V41RowParallelLinear", "held", "linear", "use_fused_kernels"]
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether the per-token chains (mHC sites, RMSNorm, RoPE) of ``x`` run on the Triton
+    kernels (``choose_fused_kernels``) rather than the references."""
+    return choose_fused_kernels(x.device, x.dtype) == "triton"
 
 
 def held(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -38,6 +45,10 @@ class V41Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x):
+            from deepinfer_vllm.ops.triton.mhc import rms_norm as fused_rms_norm
+
+            return fused_rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 

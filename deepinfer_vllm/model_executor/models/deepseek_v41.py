@@ -44,12 +44,12 @@ from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 from deepinfer_vllm.model_executor.layers.v41_engram import EngramTables, TokenHistory, V41Engram
-from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection
+from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collapse_norm, expand
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
 from deepinfer_vllm.model_executor.layers.weights import V41Norm, linear
 from deepinfer_vllm.model_executor.quantization import DeepInferV41QuantConfig
 from deepinfer_vllm.ops.dspark import draft_inputs, target_features
-from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand, identity_pre
+from deepinfer_vllm.ops.mhc import hc_collapse, identity_pre
 from deepinfer_vllm.ops.rope import build_rope_cache
 from deepinfer_vllm.spec_decode.config import dspark_settings
 from deepinfer_vllm.spec_decode.draft_model import build_stages
@@ -102,17 +102,17 @@ class DeepseekV41Block(nn.Module):
             ngram_ids, tables, is_image = engram_inputs
             streams = self.engram(streams, ngram_ids, tables, is_image)
         pre_a, post_a, comb_a = self.hc_attn.mix(streams)
-        x = self.attn_norm(hc_collapse(streams, pre_in))
+        x = collapse_norm(streams, pre_in, self.attn_norm)
         write_compressed = True
         if keep_rows is not None:
             self.attn.write_compressed(x, state)
             write_compressed = False
             streams, pre_a, post_a, comb_a = (t[keep_rows] for t in (streams, pre_a, post_a, comb_a))
             x, input_ids, state = x[keep_rows], input_ids[keep_rows], state.subset(keep_rows)
-        streams = hc_expand(self.attn(x, state, write_compressed), streams, post_a, comb_a)
+        streams = expand(self.attn(x, state, write_compressed), streams, post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn.mix(streams)
-        x = self.ffn_norm(hc_collapse(streams, pre_a))
-        streams = hc_expand(self.ffn(x, input_ids), streams, post_f, comb_f)
+        x = collapse_norm(streams, pre_a, self.ffn_norm)
+        streams = expand(self.ffn(x, input_ids), streams, post_f, comb_f)
         return streams, pre_f, input_ids, state
 
 
@@ -243,7 +243,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             # Targets before a compact boundary saw every row; keep the rows computed last.
             feats = target_features([s if n == rows.numel() else s[rows] for s, n in entries])
             self.write_dspark_context(feats, state)
-        h = self.norm(hc_collapse(streams, pre))
+        h = collapse_norm(streams, pre, self.norm)
         # Rows a compact prefill dropped are never sampled (their request's
         # last row is always kept); they come out as zeros.
         out = torch.zeros(positions.shape[0], arch.hidden_size, dtype=h.dtype, device=h.device)

@@ -175,6 +175,7 @@ def _fp8_gemm_kernel(
     stride_wsn,
     stride_om,
     k_per_split,
+    group_n,  # output columns per group (N when not grouped)
     DOT_FP8: tl.constexpr,  # design "fp8": x is MXFP8 bytes + scales; else x is bf16
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -190,10 +191,11 @@ def _fp8_gemm_kernel(
     offs_m = pid_m * BM + tl.arange(0, BM)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    group = (pid_n * BN) // group_n  # a tile never straddles groups (BN divides group_n)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + group * K
     ws_rows = ws_ptr + (offs_n // 32).to(tl.int64) * stride_wsn
-    xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm
+    xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm + group * (K // 32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BN, BM], tl.float32)
@@ -277,21 +279,30 @@ def fp8_block_gemm(
     act: str = "bf16",
     out_dtype: torch.dtype | None = None,
     *,
+    groups: int = 1,
     design: str | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T`` for ``weight [N, K]`` e4m3 (float8_e4m3fn / uint8) and ``scale
     [N/32, K/32]`` UE8M0 (float8_e8m0fnu / uint8); ``act`` "bf16" or "mxfp8" (x quantised
-    here by the Triton quantiser). ``design`` / ``config`` override the defaults (benchmarks)."""
+    here by the Triton quantiser). ``design`` / ``config`` override the defaults (benchmarks).
+
+    ``groups > 1``: a block-diagonal GEMM in one launch. ``x [M, groups * K]``; output
+    columns ``g * N/groups ...`` are ``x[:, g*K:(g+1)*K] @ W[g*N/groups:(g+1)*N/groups].T``
+    (the attention's grouped output projection)."""
     if act not in DEFAULT_DESIGN:
         raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
     design = design or DEFAULT_DESIGN[act]
     if design not in DESIGNS or (design == "fp8" and act != "mxfp8"):
         raise ValueError(f"design {design!r} is not available for act={act!r}")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}")
-    m, k = x.shape
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != groups * weight.shape[1]:
+        raise ValueError(
+            f"x [M, {groups} * K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
+    if groups < 1 or n % (32 * groups):
+        raise ValueError(f"N={n} must split into {groups} groups of whole 32-row tiles")
     if k % 32 or n % 32:
         raise ValueError(f"N and K must be multiples of 32, got N={n}, K={k}")
     if tuple(scale.shape) != (n // 32, k // 32):
@@ -305,6 +316,9 @@ def fp8_block_gemm(
     cfg, split, k_per_split = split_k(
         dict(config) if config else pick_config(m, n, k, sms=sm_count(x.device)), k
     )
+    group_n = n // groups
+    while group_n % cfg["BN"]:  # a power of two >= 32 divides group_n
+        cfg["BN"] //= 2
     kind = _OUT_KIND[out_dtype]
     target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
@@ -323,6 +337,7 @@ def fp8_block_gemm(
         s.stride(0),
         out.stride(0),
         k_per_split,
+        group_n,
         DOT_FP8=design == "fp8",
         SPLIT=split,
         OUT_KIND=kind,

@@ -1,0 +1,49 @@
+"""ops/triton/rope.py against ``ops.rope.apply_rope_tail``.
+
+Same fp32 rotation; the kernel may fuse a product into an FMA, so a rotated bf16 entry is
+within one bf16 ulp of the reference (at least 99% identical) and the leading (NoPE)
+entries are copied bit for bit; fp32 inputs within 2 fp32 ulps of |x|. The inverse rotation
+undoes the forward one as the reference's does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import shapes
+from test_mhc import assert_within_one_ulp
+
+from deepinfer_vllm.ops.rope import apply_rope_tail, build_rope_cache
+from deepinfer_vllm.ops.triton.rope import rope_tail
+
+CASES = shapes([((5, 32), 16), ((7, 3, 48), 16), ((2, 17, 64), 64)], [((64, 64, 512), 64), ((300, 512), 64)])
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("shape,rotary", CASES)
+def test_rope_tail_matches_reference(device, shape, rotary, inverse):
+    g = torch.Generator().manual_seed(sum(shape))
+    cache = build_rope_cache(rotary, 4096, 10000.0).to(device)
+    x = (torch.randn(*shape, generator=g) * 4).to(torch.bfloat16).to(device)
+    pos = torch.randint(0, 4096, shape[:1], generator=g).to(device)
+    got = rope_tail(x, pos, cache, inverse)
+    want = apply_rope_tail(x, pos, cache, inverse)
+    nope = shape[-1] - rotary
+    assert torch.equal(got[..., :nope], want[..., :nope])
+    assert_within_one_ulp(got, want)
+
+
+def test_rope_tail_fp32_and_strided(device):
+    g = torch.Generator().manual_seed(3)
+    cache = build_rope_cache(16, 64, 10000.0).to(device)
+    x = torch.randn(6, 4, 40, generator=g).to(device)[:, ::2]  # strided heads
+    pos = torch.arange(6, device=device) * 7
+    got, want = rope_tail(x, pos, cache), apply_rope_tail(x, pos, cache)
+    assert torch.allclose(got, want, rtol=0, atol=2.5e-7 * x.abs().max().item())
+
+
+def test_rope_tail_refuses_per_head_positions(device):
+    cache = build_rope_cache(16, 64, 10000.0).to(device)
+    x = torch.zeros(3, 2, 32, device=device)
+    with pytest.raises(ValueError, match="positions \\[T\\]"):
+        rope_tail(x, torch.zeros(3, 2, dtype=torch.long, device=device), cache)
