@@ -1,73 +1,26 @@
 """Lightning-indexer scores over the paged MXFP4 index cache, and the end-to-end selection.
 
-``I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j])`` for ``j < visible[t]`` (else -inf), with
-``k[j]`` the MXFP4 record (64 packed bytes + 4 UE8M0 scales) of entry ``j`` of request
-``token_req[t]`` in the paged cache (page ``j // N``, slot ``j % N``, ``N = block_size //
-ratio``; the page holds the value bytes of its N records, then their scale bytes).
-PyTorch reference: ``ops.paged_indexer``.
-
-One program scores ``TILES`` tiles of ``BLOCK_N`` keys for one query token. Per tile it
-computes the transposed product ``S^T = K [BLOCK_N, 128] x Q^T [128, H]`` on the tensor
-cores (M = keys, N = heads), then ReLU, the head weights and the head sum in fp32, and
-rounds the score once to the model dtype (returned as fp32). Keys are decoded in registers;
-``mode`` picks how:
-
-* 5 (default on sm90 with Gluon, every launch): the Gluon kernel on fp8 tensor cores. The query is MXFP4 too
-  (spec 6.6), so with each key's and each head's largest block scale factored out (applied
-  after the head sum) both operands are exact e4m3 numbers (blocks down to 14 binades below
-  the largest; smaller ones round) and need no widening: a code's magnitude picks its e4m3
-  byte from a per-block 8-byte table (``prmt``) and its sign is moved onto bit 7
-  (``e2m1.E4M3_LOOKUP_PTX``, 9 instructions per 8 codes instead of 18). The products are
-  exact; Hopper's fp8 wgmma keeps only ~13 bits of its running sums, so the scores carry an
-  error up to ~2^-14 of ``sum_h |w_h| sum_k |q_hk k_jk|`` (1-2 % of the bf16 scores differ
-  from mode 4's by one step; top-512 selections agree on >= 99.99 % of indices). DeepGEMM's
-  fp8 MQA-logits kernels for DeepSeek-V3.2's indexer use the same fp8 wgmma. B=256 x 131072
-  keys: 0.77 ms, 73 % of copy (mode 4: 1.12 ms), and faster than modes 3/4 on short rows and
-  candidate blocks too (benchmarks/README.md, runs 8 and 9). One arithmetic whatever the batch.
-* 4: mode 3's arithmetic as a Gluon kernel (``ops/triton/indexer_gluon.py``): a cp.async
-  ring, explicit layouts, each thread's A fragment read as 16 contiguous bytes; fp32-exact
-  sums like mode 3. B=256 x 131072 keys: 1.12 ms in run 9 (51 % of copy; mode 3: 1.27 ms).
-* 3 (default for bf16/fp16 queries off sm90): fp16 wgmma on exactly converted operands. Each key is
-  split into its largest block scale ``2^(emax - 127)`` and the fp16 values ``e2m1 *
-  2^-(emax - e_b)`` (exact down to 30 binades below ``emax``; smaller blocks are below an
-  fp32 sum's rounding anyway). The codes are decoded with a few integer ops per 4 bytes
-  into e4m3 bit patterns, widened by ``cvt.rn.f16x2.e4m3x2`` and scaled by
-  ``mul.rn.f16x2`` (``ops/triton/e2m1.py``: ~2 instructions per value). ``Q^T`` is divided
-  per head by a power of two so that it fits fp16 exactly, which is folded into the head
-  weight; ``emax`` is applied to the head sum. ``i16`` reads the records as int16 words (a
-  thread's wgmma A pair is then 4 contiguous bytes: no byte shuffles).
-* 0: ``tl.dot_scaled`` with the packed e2m1 keys and their UE8M0 scales on the left and bf16
-  ``Q^T`` on the right; on Hopper Triton upcasts the keys to bf16 (exact: e2m1 x 2^e) with
-  about 840 instructions per key. ``perm`` reorders the K dimension (keys and ``Q^T`` alike;
-  a dot product does not care) so that the shared-memory transpose moves 16-byte vectors.
-  The fallback if mode 3 does not compile (4 -> 3 -> 0 -> 1).
-* 1: keys decoded arithmetically to fp32 bit patterns, cast to bf16, two K = 64 dots (even /
-  odd dims) - the fallback if ``dot_scaled`` does not compile either.
-* 2 (default for fp32 queries): as 1 but fp32 with IEEE dots, the interpreter-friendly path.
-
-Modes 0 and 3 give bit-identical scores on the benchmark's inputs (products are exact, the
-sums are fp32 in both). The query must hold MXFP4-dequantised values (the model's
-``mxfp4_qdq``), so its casts are exact whatever the input dtype. Limitations: a UE8M0 byte
-of 0 (2^-127, never written by the MXFP4 encoder, whose smallest scale is 2^-126) decodes
-as 0 in mode 0 and as garbage in modes 1/2; modes 1/2 also flush the subnormal value 0.5 *
-2^-126 of scale byte 1. Both are far below anything the rounding of a score can see.
-
-Tile pipeline (``prefetch``): ``prefetch=1`` (default) loads the block ids two tiles ahead
-and prefetches the next tile's records into L2 (``prefetch.global.L2``, GPU only);
-``prefetch=2`` carries the next tile's bytes in registers; ``prefetch=0`` is the plain loop.
-Measured on the H200 (Triton 3.6, B=256 x 131072 keys; benchmarks/README.md has the log):
-mode 0 2.68 ms (21 % of copy bandwidth, ~840 instructions per key); mode 3 with byte
-loads 1.69 ms, + int16 words 1.45 ms, + 2048 keys per program and 4 CTAs/SM (maxnreg 128)
-1.27 ms (45 %, ~630 instructions per key). Tried without gain: loading dense tiles page by
-page (one address per page: same time), Triton's pipeliner (``tl.range(num_stages)``: the
-loads became per-element cp.async, 2.0 ms) and ``tl.range(warp_specialize=True)`` (the sm90
-code came out unchanged). The kernel stays bound by
-instruction issue (the decode alone is ~270 instructions per key) and latency: the rest of
-the way to the copy ceiling needs warp-specialised producer/consumer code (Gluon or CUDA).
-Rejected: int8 codes (4 int32 accumulators per (key, head) to convert and scale).
-Tokens of the same request (prefill chunks, speculative verification) re-read the same
-keys: grouping a request's tokens into the N dimension would decode each key once per
-group (not done here).
+``I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j])`` for ``j < visible[t]`` (else -inf); ``k[j]`` is the MXFP4
+record (64 packed bytes + 4 UE8M0 scales) of entry ``j`` of request ``token_req[t]`` (page ``j // N``, slot
+``j % N``, ``N = block_size // ratio``; a page holds its N records' value bytes, then their scale bytes).
+``q`` must hold MXFP4-dequantised values (``mxfp4_qdq``); scores are fp32 sums rounded once to the model
+dtype, returned as fp32. PyTorch reference: ``ops.paged_indexer``. Why: keys are decoded in registers
+and scored as ``S^T = K Q^T`` (M = keys); the kernel is bound by instruction issue, much of it that decode,
+so the modes differ in how cheaply they decode. ``mode`` (a failed compile falls back 5/4 -> 3 -> 0 -> 1):
+* 5 (default on sm90 with Gluon, for every launch: scores never depend on batching): fp8 wgmma on exact
+  e4m3 operands (``indexer_gluon``; blocks over 14 binades below a key's largest round). Its sums keep ~13
+  bits: error up to ~2^-14 of ``sum_h |w_h| sum_k |q_hk k_jk|`` (1-2 % of bf16 scores one step off mode
+  4's; top-512 selections agree on >= 99.99 % of indices).
+* 4: mode 3's arithmetic as a Gluon kernel (``indexer_gluon``), fp32-exact sums.
+* 3 (default for bf16/fp16 q off sm90): fp16 wgmma on exactly converted operands (``e2m1.py``; exact down
+  to 30 binades below a key's largest block, smaller ones are below fp32 rounding); ``i16``: int16 reads.
+* 0: ``tl.dot_scaled``, bit-identical to mode 3 on the benchmark's inputs; ``perm`` reorders K (for 16-byte
+  shared-memory transposes). 1: keys decoded to fp32, cast to bf16, two K = 64 dots. 2 (default for fp32
+  q, the interpreter's path): as 1 in fp32 with IEEE dots.
+``prefetch``: 1 (default) loads block ids two tiles ahead and prefetches the next tile into L2 (GPU only),
+2 carries the next tile in registers, 0 is the plain loop. A UE8M0 byte of 0 (never written by the
+encoder) decodes as 0 in mode 0, as garbage in modes 1/2, which also flush 0.5 * 2^-126 (scale byte 1):
+both far below a score's rounding. Design notes and measurements: benchmarks/README.md.
 """
 
 from __future__ import annotations

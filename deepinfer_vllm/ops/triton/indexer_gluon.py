@@ -1,47 +1,19 @@
 """Lightning-indexer scores on Hopper in Gluon (Triton's explicit-layout dialect), sm90 only.
 
-Same arithmetic as ``indexer.index_scores_paged`` mode 3 (fp16 wgmma on exactly converted
-MXFP4 operands, the ``ops/triton/e2m1.py`` decode; scores bit-identical to mode 3 on the
-benchmark's inputs). What Gluon adds is control over where every byte goes:
-
-* The records of the next ``STAGES - 1`` tiles of 64 keys are in flight as ``cp.async``
-  copies into a shared-memory ring while the current tile is decoded (16-byte copies; the
-  block ids of a tile are loaded one tile before its copies are issued). Dense rows with
-  pages of >= 16 records: a thread copies keys ``k`` and ``k + 8`` of one page (one block id,
-  one address; each copy instruction writes 512 contiguous bytes), and keys past the visible
-  entries read block 0 instead of being masked (harmless, L2-resident, masked in the
-  epilogue): no per-key predicates.
-* Each thread reads exactly the bytes its wgmma A fragment needs, 16 contiguous record bytes
-  per key (``LDS.128``), decodes them in registers and hands them to the tensor cores with
-  no layout conversion (checked at compile time: ``assert_trivial``). That works because a
-  dot product does not care about the order of K: thread ``c = lane % 4`` of a key row gets
-  the codes of scale block ``c`` (record bytes ``16 c .. 16 c + 15``), and ``Q^T``'s rows
-  are permuted to match (``_q_perm_dims``). One block per thread also means one scale
-  factor per thread and key; the key's largest block scale is a 4-lane reduction.
-* Candidate (reindex) tiles copy whole candidate blocks the same way: a thread copies keys k
-  and k + 4 of one block of 8 entries (one page), and a -1 or invisible block reads block 0
-  unmasked; only pages of 4 records or blocks of 4 entries copy key by key.
-* Tiles past a token's visible entries are written (-inf) without being read or computed.
-* Program length (``TILES``, a runtime argument) comes from ``program_tiles``: about five
-  waves of programs over the SMs' resident CTAs, so the programs still running at the end
-  are short.
-
-``FP8`` (mode 5, the default) runs the same ring and epilogue on fp8 tensor cores: a thread's
-16 record bytes (one ``LDS.128``) become e4m3 bytes by a table lookup
-(``e2m1.E4M3_LOOKUP_PTX``; the table of its block's exponent below the key's largest comes
-from a 256-byte array), Q^T is stored as e4m3 ``[H, 128]`` (K-major, as fp8 wgmma wants) and
-the K order is permuted to match (``_q_perm_dims_fp8``); the join of the two decode halves
-reaches the A fragment by a register renaming only.
-
-Measured on the H200 (Triton 3.6; benchmarks/README.md, runs 4, 8, 9 and 11): mode 5 takes 228
-SASS instructions per warp and 64-key tile (mode 4: 300), 70 registers, 7 CTAs per SM.
-B=256 x 131072 keys: 0.77 ms, 73 % of copy bandwidth (mode 4: 1.12 ms; mode 3: 1.27 ms).
-Candidate tiles: 270 instructions (320 with per-key copies); B=128 x 2048 blocks of 8: 75 us.
-Tried without gain: TMA boxes for the dense pages (Triton's lowering adds a barrier around
-every copy and a proxy fence: 310 instructions, 5 % slower), a warp-specialised ring.
-
-Only ``D = 128`` (four scale blocks, one per lane of a quad), up to 256 heads, pages of a
-power-of-two number (>= 4) of records, 16-byte aligned.
+Modes 4 and 5 of ``indexer.index_scores_paged`` (same contract; PyTorch reference ``ops.paged_indexer``):
+* ``FP8=False`` (mode 4): mode 3's arithmetic (fp16 wgmma on exactly converted MXFP4, the ``e2m1.py``
+  decode); scores bit-identical to mode 3 on the benchmark's inputs.
+* ``FP8=True`` (mode 5, the default): fp8 wgmma; record bytes become e4m3 by a table lookup
+  (``e2m1.E4M3_LOOKUP_PTX``), ``Q^T`` is stored as e4m3 ``[H, 128]``; numerics as in ``indexer.py``.
+Why Gluon: control over where every byte goes. The next ``STAGES - 1`` tiles of 64 keys are in flight as
+16-byte ``cp.async`` copies into a shared-memory ring while one is decoded, and each thread reads exactly
+its wgmma A fragment (16 record bytes: thread ``c = lane % 4`` of a key row gets scale block ``c``, with
+``Q^T``'s K order permuted to match, ``_q_perm_dims`` / ``_q_perm_dims_fp8``), so the decode reaches the
+tensor cores with no layout conversion (``assert_trivial``). Keys past the visible entries (pages of >= 16
+records) and -1 or invisible candidate blocks read block 0 unmasked (masked in the epilogue); tiles past
+a token's visible entries are written -inf unread. ``TILES`` (runtime) comes from ``program_tiles``.
+Only ``D = 128``, up to 256 heads, pages of a power-of-two number (>= 4) of records, 16-byte aligned.
+Design notes and measurements: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,46 +1,21 @@
 """Sparse MLA decode attention straight from the paged quantised caches (spec §6.7).
 
-Each query token attends the ``W`` window keys of its own position (MXFP8 records
-of the layer's window cache) and, on compressed layers, its top-k entries of the
-KV source's NVFP4 compressed cache. Keys are values and every head attends the
-same keys (MQA), so one program owns one token and a block of up to 64 heads: the
-query tile ``[64, D]`` is the MMA's M side (one wgmma M), and each key tile is
-gathered as raw record bytes, dequantised in registers (e4m3 * 2^e and e2m1 * e4m3
-are exact in bf16) and used twice: ``S = Q K^T`` and ``acc += P K``. Softmax is
-online, in fp32, base 2. The sink starts the running max/denominator (``m = sink,
-l = 1``), so it is in the denominator and never in the values, and a token without
-a valid key returns exactly zero.
-
-Invalid keys (window positions below ``max(window_lo, 0)``, top-k ``-1``) are never
-read: their loads are masked to zero bytes (value 0, so ``0 * P`` and no NaN from
-garbage slots) and their logits are ``-inf``.
-
-Small batches split the key tiles of a token over ``num_splits`` programs
-(flash-decoding); their unnormalised fp32 partials are merged by a second kernel.
-The reference is ``deepinfer_vllm.ops.paged_attention.paged_sparse_attention``.
-
-On sm90 with bf16 queries and D = 512 the wrapper runs the warp-specialised Gluon kernel of
-``sparse_mla_decode_gluon`` instead (same tiles, same operator; 1.5-1.6x faster at 128-256
-tokens on the H200), unless ``DecodeConfig(gluon=False)``. This Triton kernel covers fp32,
-other head dims, other GPUs and Triton's interpreter.
-
-Performance notes (H200, bf16; SASS inspected offline, timings by the benchmark):
-* With 8 warps and 64 heads Triton would let both warpgroups compute all of S;
-  ``split_s`` hides the S -> PV chain behind a runtime branch so S's key columns
-  are split over the warpgroups (half the QK^T work and shared-memory traffic).
-* ``lazy_rescale`` rescales the [64, 512] fp32 accumulator only when some running
-  max grows by more than a factor 2^8, not on every tile.
-* ``fast_fp4`` decodes NVFP4 with a short PTX sequence (about a third fewer
-  instructions in the compressed-key loop than Triton's byte-wise code).
-* The gather chain of a compressed tile (top-k entry -> block-table word -> record
-  bytes) is three dependent global loads. Triton's pipeliner (num_stages) issues the
-  next tile's cp.async after the dots and waits for it at the top of the next
-  iteration, with the index loads synchronous, so about two memory latencies per
-  tile stay exposed (one CTA per SM: nothing else hides them). ``prefetch`` issues
-  the chain a tile ahead in registers instead (index loads only, or also the record
-  bytes); it costs registers (the [64, 512] fp32 accumulator already holds half).
-* ``tl.range(warp_specialize=True)`` on the key loop compiles to the same sm90 code as
-  without it (Triton 3.6): the dequantise/MMA overlap has to be written by hand (Gluon/CUDA).
+Each query token attends the ``W`` window keys of its position (MXFP8 records of the layer's window cache)
+and, on compressed layers, its top-k entries of the KV source's NVFP4 compressed cache; keys are values
+and every head attends the same keys (MQA). Softmax is online, fp32, base 2; the sink starts the running
+max/denominator (``m = sink, l = 1``), so it is in the denominator, never in the values, and a token with
+no valid key returns exactly zero. Invalid keys (window positions below ``max(window_lo, 0)``, top-k
+``-1``) are never read (loads masked to zero bytes, so no NaN from garbage slots; logits ``-inf``).
+Dequantisation is exact in bf16. Reference: ``deepinfer_vllm.ops.paged_attention.paged_sparse_attention``.
+Why: one program owns one token and up to 64 heads, so the query tile ``[64, D]`` is one wgmma M and each
+gathered key tile, dequantised in registers, is used twice (``S = Q K^T``, ``acc += P K``). Small batches
+split a token's tiles over ``num_splits`` programs (flash-decoding; a second kernel merges the fp32
+partials). On sm90 with bf16 q and D = 512 the wrapper runs the faster Gluon kernel of
+``sparse_mla_decode_gluon`` (same operator) unless ``DecodeConfig(gluon=False)``; this kernel covers fp32,
+other head dims, other GPUs and the interpreter. ``DecodeConfig`` switches (on by default; ``prefetch``
+1): ``split_s`` splits S's key columns over the warpgroups, ``lazy_rescale`` rescales the accumulator
+only when a running max grows by over 2^8, ``fast_fp4`` decodes NVFP4 in PTX, ``prefetch`` issues the
+compressed tiles' gather chain a tile ahead. Design notes and measurements: benchmarks/README.md.
 """
 
 from __future__ import annotations

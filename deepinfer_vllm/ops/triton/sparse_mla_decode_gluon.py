@@ -1,70 +1,19 @@
 """Sparse MLA decode on Hopper in Gluon, warp-specialised and persistent (sm90 only).
 
-Same semantics as ``sparse_mla_decode.sparse_mla_decode`` (window MXFP8 keys, top-k NVFP4
-keys, sink in the denominator, keys = values, 64 heads per work item). The Triton kernel runs
-the dequantisation and both matmuls back to back in one instruction stream; here three
-warpgroups of one CTA each do one job, handing tiles of 64 keys over shared memory:
-
-* **producer** (4 warps): gathers a tile's records (for the compressed tiles the three
-  dependent loads, entries -> block ids -> records, are kept one tile apart), dequantises
-  them exactly to bf16 in registers and stores the ``[64, 512]`` tile into one of two
-  shared-memory buffers, with each key's validity; it also copies each later item's Q in
-  (TMA; cp.async where q's token rows are not contiguous) once the previous item's last tile
-  is released (the softmax warpgroup loads a CTA's first Q itself);
-* **softmax warpgroup** (the default partition): ``S = Q K^T`` (both operands in shared
-  memory), the online softmax, ``P`` (bf16) and the per-row rescale factor to shared memory
-  for the other warpgroup, then ``O[:, :256] += P K[:, :256]`` with ``P`` in registers;
-* **second PV warpgroup**: ``O[:, 256:] = alpha O[:, 256:] + P K[:, 256:]`` from shared memory.
-
-CTAs are persistent (one per SM): work items are (token, split, head block) and a CTA takes
-every ``programs``-th one, so the producer runs into the next item while the consumers
-finish one. Each ``[64, 256]`` fp32 half of the accumulator takes 128 registers per thread of
-its warpgroup, which is why the output is split over two warpgroups (FlashMLA's decode
-kernel splits the same way). Numbers: e2m1 times its e4m3 scale and e4m3 times 2^k are exact
-in bf16, so the tiles equal the Triton kernel's; logits, softmax and accumulation are fp32.
-Outputs leave through 16-byte stores after a quad shuffle (``STORE16_PTX``); split items' fp32
-partial outputs after a swap between lane pairs (``STORE16_F32_PTX``).
-
-Small batches split a token's tiles over ``num_splits`` items (flash-decoding) and use the
-Triton kernel's combine step.
-
-Measured on the H200 (Triton 3.6; ``benchmarks/README.md``, run 7): 64 heads, 128 window + 512
-top-k keys, T=256: 64.1 us, 335 TFLOP/s, 42 % of the measured bf16 matmul rate (the Triton
-kernel: 124 us). Bounds from variants of this kernel (same process, T=256): the consumers alone
-(the producer publishes tiles without loading or storing them) take 45.9 us, the producer alone
-(no wgmma) 51.7 us, both together 64 us: neither side reaches 60 % by itself, and they overlap
-poorly through the two tile buffers. ncu on the producer's compressed-tile loop: ~0.25
-instructions per cycle, its stall samples split between issuing (24 %), fixed-latency
-dependencies (20 %), short-scoreboard waits (18 %, the hottest on registers that 16-byte shared
-stores are still reading) and global loads (14 %). Things that did not work, and why:
-
-* a second producer warpgroup (16 warps; each producer decodes half the dims of every tile):
-  ptxas gives each partition its own budget through ``setmaxnreg``, but checks every single
-  instruction against the kernel-wide limit (65536 / 512 threads = 128), which an ``m64n256``
-  PV wgmma (158) exceeds. With ``m64n128`` PV wgmmas (as fast alone) it fits, at 160 / 80 /
-  80 / 192 registers or 160 / 72 / 72 / 208, and passes the tests, but it is 15-24 % slower at
-  T=128-256 (run 14): the producer is not limited by how many warps wait on its loads;
-* computing S of the next tile while the softmax runs needs a third tile buffer (Q + three
-  64 KB tiles exceed the 227 KB of shared memory); with two buffers a tile's buffer is busy
-  from its decode to its last PV, which bounds the period at half that span;
-* 4 lanes per key in the producer (128-byte row segments): 12 % slower than 2 lanes per key;
-* fetching the next item's metadata, block ids and entries during the current item: the
-  steady-state tiles got ~20 % slower (loads held across the tile loop), not kept;
-* Q copied by the softmax warpgroup itself (cp.async): its wgmma descriptors left the
-  uniform registers (recomputed per k-step, 17 spills per tile); the producer copies it;
-* releasing Q after the item's last S (a barrier of its own, not the last tile's release) and
-  issuing the next Q behind the first tile's loads: 4-6 % slower (graph replay and ncu agree),
-  although the clock stamps showed 17 % shorter items; the stamps change the schedule, so
-  compare variants by their untimed time;
-* keys on the producer's low lanes, so that a quarter-warp's 16-byte stores hit 8 different
-  bank groups: ncu counted no excess shared wavefronts any more (18 % of them before), and the
-  kernel was 7-9 % slower;
-* decoding a tile's first chunk before waiting for its buffer: 14 % slower (spills).
-
-Triton 3.6 puts a ``convert_layout``'s scratch buffer where the warp-specialised partitions
-read their captured arguments; a conversion in one partition corrupted another's loop bound
-(nondeterministic results whenever a tile buffer was reused). No partition converts layouts
-through shared memory (the softmax's conversions are checked ``assert_trivial``).
+Same semantics and reference as ``sparse_mla_decode.sparse_mla_decode`` (window MXFP8 keys, top-k NVFP4
+keys, sink in the denominator, keys = values), for bf16 q, D = 512, 64 heads per work item. The tiles
+equal the Triton kernel's (e2m1 times its e4m3 scale and e4m3 times 2^k are exact in bf16); logits,
+softmax and accumulation are fp32. Why: the Triton kernel runs the dequantisation and both matmuls in one
+instruction stream; here three warpgroups of one CTA overlap them, handing 64-key tiles over two
+shared-memory buffers: the producer (4 warps) gathers and dequantises a tile (the compressed tiles'
+entries -> block ids -> records loads kept a tile apart) and copies later items' Q; the softmax warpgroup
+computes S, the online softmax, P and ``O[:, :256]``; a second PV warpgroup computes ``O[:, 256:]`` (a
+``[64, 256]`` fp32 half takes 128 registers per thread; FlashMLA's decode splits the same way).
+Persistent CTAs (one per SM) take (token, split, head block) items in turn, so the producer runs into the
+next item; ``num_splits`` > 1 (small batches) uses the Triton kernel's combine step. No partition may
+convert layouts through shared memory (Triton 3.6 puts that scratch where partitions read their captured
+arguments and corrupts them; the softmax's conversions are checked ``assert_trivial``).
+Design notes, measurements and rejected variants: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -846,17 +795,14 @@ def gluon_decode(o, splits: int, part_acc, part_m, part_l, h_pad: int,
                  programs: int | None = None, timing: torch.Tensor | None = None) -> None:
     """Launch on checked operands (``sparse_mla_decode._Operands``), 64 heads per item.
 
-    Work items are (token, split, 64-head block); ``programs`` persistent CTAs (default: one
-    per SM, at most one per item) take every ``programs``-th item, so one item's Q load, first
-    index chains and epilogue overlap its neighbours' tiles. Registers per thread: the second
-    PV warpgroup ``pv1_regs``, the producer ``producer_regs``, the softmax warpgroup the rest
-    of ``3 * maxnreg`` (216; 384 threads allow ``maxnreg`` <= 170). ``timing`` (debug; int64
-    ``[items, 16, tiles]``) receives ``%clock64`` stamps: producer tile start (0) / buffer free
-    (2) / stored (1), item start / Q copy issued / Q copies out (3, in the tile 0 / 1 / 2
-    slots); softmax warpgroup after the tile's ready wait (4), after S (5), before /
-    after waiting for the P buffer (6 / 7), after its PV (8), item start / Q landed / item
-    end (12 / 9 / 13, tile 0; 14 / 15: the same as global-timer nanoseconds); second PV
-    warpgroup after the P wait (10), after its PV (11).
+    ``programs`` persistent CTAs (default one per SM, at most one per item) take every ``programs``-th
+    (token, split, 64-head block) item. Registers per thread: second PV warpgroup ``pv1_regs``, producer
+    ``producer_regs``, softmax warpgroup the rest of ``3 * maxnreg`` (216; 384 threads allow ``maxnreg``
+    <= 170). ``timing`` (debug; int64 ``[items, 16, tiles]``) receives ``%clock64`` stamps, by slot:
+    producer tile start 0 / stored 1 / buffer free 2, item start / Q copy issued / Q copies out 3 (in the
+    tile 0 / 1 / 2 slots); softmax warpgroup after the tile's ready wait 4, after S 5, before / after
+    waiting for the P buffer 6 / 7, after its PV 8, item start / Q landed / item end 12 / 9 / 13 (tile 0;
+    14 / 15: the same as global-timer nanoseconds); second PV warpgroup after the P wait 10, after its PV 11.
     """
     q, out = o.q, o.out
     T, H, D = q.shape

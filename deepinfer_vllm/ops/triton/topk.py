@@ -1,38 +1,18 @@
 """Exact, tie-stable top-k per row (radix select) and the candidate-block stage.
 
-Semantics are ``ops.indexer.select_topk``: the ``k`` largest selectable scores of a row
-(not -inf, not NaN; +inf counts; ``-0.0`` ties with ``+0.0``), ties to the LOWER index,
-indices returned ASCENDING and then ``-1`` fill. ``torch.topk`` is neither tie-stable nor
-index-ordered, so it is only a speed baseline.
-
-Shared pieces:
-
-* keys: fp32 -> order-preserving uint32, ``0`` for anything not selectable (or ``j >=
-  lengths[t]``), so "larger key" = "larger score" and selectable keys are ``> 0``;
-* radix rule: the exact k-th largest key, found with ``DBITS``-bit histogram passes that
-  start at the highest bit on which the selectable keys differ and stop at the lowest one
-  (bf16-valued scores vary in at most 16 bits), or as soon as the threshold bin is exactly
-  filled. It returns ``(thr, need)``: the k largest are every key ``> thr`` plus the first
-  ``need`` keys ``== thr`` in index order;
-* collection in index order with a prefix sum: ascending output, ties to lower indices.
-
-Method "reg" (default whenever it fits, ``REG_MAX`` keys per register tile): one program
-per row holds its keys in registers, loads them once and runs every radix pass and the
-collection on registers (a program costs arithmetic, not a memory round trip per chunk).
-Rows longer than ``REG_MAX`` are first reduced by ``_bmax_kernel`` (grid rows x chunks, so
-every SM streams at full bandwidth whatever the batch) to ``S1``-entry block maxima. The
-top-k BLOCKS by maximum (``select_topk`` over the maxima: ties to the lower block) contain
-the answer: with ``tau`` their k-th maximum, at least k entries are ``>= tau``, so every
-chosen entry is ``>= tau``; entries ``> tau`` only sit in blocks of maximum ``> tau``, all
-kept, and the first ``need`` ties sit in the first kept blocks of maximum ``== tau`` (each
-holds one tie). So the row program selects the k blocks in registers, gathers their
-``<= k * S1`` entries (index order) into registers, drops keys ``< tau`` and selects again.
-
-Method "stream" (any size; the previous default): one program per row streams the row in
-chunks for every pass (``_radix_rule`` / ``_collect``). Long rows (``N >= 16 k``) are first
-reduced: ``S1``-element block maxima ``M1``, ``tau`` = the radix threshold of ``M1``, the
-entries ``> tau`` in index order, then the radix rule + collection over the survivors (or,
-if fewer than ``k`` survive, one more pass collecting ``> tau`` plus the first ties).
+Semantics are ``ops.indexer.select_topk``: the ``k`` largest selectable scores of a row (not -inf, not
+NaN; +inf counts; ``-0.0`` ties with ``+0.0``), ties to the LOWER index, indices returned ASCENDING and
+then ``-1`` fill. ``torch.topk`` is neither tie-stable nor index-ordered, so it is only a speed baseline.
+Scores become order-preserving uint32 keys (``0`` for anything not selectable or ``j >= lengths[t]``);
+the radix rule finds the exact k-th largest key with ``DBITS``-bit histogram passes over only the bits
+the selectable keys differ in and returns ``(thr, need)``: the k largest are every key ``> thr`` plus
+the first ``need`` keys ``== thr``, collected in index order with a prefix sum.
+* "reg" (default whenever it fits, ``REG_MAX`` keys per register tile): one program per row keeps its
+  keys in registers for every pass (arithmetic, not a memory round trip per chunk). Longer rows are
+  first reduced to ``S1``-entry block maxima (``_bmax_kernel``); the top-k blocks by maximum contain the
+  answer, so their ``<= k * S1`` entries are gathered and selected again.
+* "stream" (any size; the previous default): one program per row streams the row in chunks for every
+  pass; rows with ``N >= 16 k`` are first reduced through block maxima. Design notes: benchmarks/README.md.
 """
 
 from __future__ import annotations
