@@ -317,7 +317,9 @@ def fp8_block_gemm(
         dict(config) if config else pick_config(m, n, k, sms=sm_count(x.device)), k
     )
     group_n = n // groups
-    while group_n % cfg["BN"]:  # a power of two >= 32 divides group_n
+    # A grouped tile must not straddle two groups (a power of two >= 32 divides group_n);
+    # ungrouped, a tile past N is masked as before.
+    while groups > 1 and group_n % cfg["BN"]:
         cfg["BN"] //= 2
     kind = _OUT_KIND[out_dtype]
     target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
