@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 
 import torch
 
@@ -127,15 +128,31 @@ def choose_gemm_kernels(device: torch.device, dtype: torch.dtype) -> str:
     return _log_once("GEMM", choice, why, device)
 
 
+def _torch_npu_importable() -> bool:
+    if "torch_npu" in sys.modules:
+        return sys.modules["torch_npu"] is not None
+    return importlib.util.find_spec("torch_npu") is not None
+
+
 def choose_fused_kernels(device: torch.device, dtype: torch.dtype) -> str:
-    """``"triton"`` or ``"torch"`` for the per-token chains (mHC sites, RMSNorm, RoPE) of a
-    model computing in ``dtype`` on ``device`` (``DEEPINFER_FUSED_KERNELS``). fp32 models
-    keep the reference in ``auto`` (the kernels' summation order is not the reference's)."""
+    """``"triton"``, ``"npu"`` or ``"torch"`` for the per-token chains of a model computing in
+    ``dtype`` on ``device`` (``DEEPINFER_FUSED_KERNELS``): Triton runs the mHC sites, RMSNorm
+    and RoPE; ``npu`` runs RMSNorm and RoPE on ``torch_npu``'s fused operators (``ops.npu``;
+    the mHC sites keep the reference). fp32 models keep the reference in ``auto`` (the
+    kernels' summation order is not the reference's)."""
     mode = envs.fused_kernels()
     if mode == "torch":
         choice, why = "torch", "DEEPINFER_FUSED_KERNELS=torch"
     elif mode == "triton":
         choice, why = "triton", _forced_triton("DEEPINFER_FUSED_KERNELS", device)
+    elif mode == "npu":
+        if not _torch_npu_importable():
+            raise RuntimeError(
+                "DEEPINFER_FUSED_KERNELS=npu needs torch_npu (pip install 'deepinfer-vllm[ascend]')"
+            )
+        choice, why = "npu", "DEEPINFER_FUSED_KERNELS=npu"
+    elif device.type == "npu" and dtype == torch.bfloat16:
+        choice, why = "npu", "NPU device, bf16"
     else:
         choice, why = _auto_for_bf16(device, dtype)
     return _log_once("fused", choice, why, device)

@@ -3,8 +3,8 @@
     deepinfer-weight-bytes --model DIR [--tensor-parallel-size N] [--dtype float32]
 
 Starts V4.1 in ``vllm.LLM`` and prints, for every worker (vLLM's
-``collective_rpc`` into ``DeepInferCPUWorker.deepinfer_weight_bytes``), the
-resident bytes per component beside the checkpoint's bytes for the same
+``collective_rpc`` into ``V41WorkerMixin.deepinfer_weight_bytes``, which every
+DeepInfer worker has), the resident bytes per component beside the checkpoint's bytes for the same
 tensors (``model_executor.weight_bytes``). Workers also log their line after
 loading.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -95,3 +96,22 @@ def test_fused_kernels_follow_device_and_dtype(monkeypatch, caplog):
     monkeypatch.setenv("DEEPINFER_FUSED_KERNELS", "fast")
     with pytest.raises(ValueError, match="DEEPINFER_FUSED_KERNELS"):
         kernel_select.choose_fused_kernels(cuda, torch.bfloat16)
+
+
+def test_fused_kernels_on_npu_devices(monkeypatch):
+    """``auto`` on an NPU: ``torch_npu``'s fused RMSNorm/RoPE for bf16 models, the reference for
+    fp32 ones; ``npu`` forced needs ``torch_npu`` and says so."""
+    import types
+
+    from fake_torch_npu import make
+
+    monkeypatch.delenv("DEEPINFER_FUSED_KERNELS", raising=False)
+    npu = types.SimpleNamespace(type="npu")  # torch.device("npu") needs the real torch_npu
+    assert kernel_select.choose_fused_kernels(npu, torch.bfloat16) == "npu"
+    assert kernel_select.choose_fused_kernels(npu, torch.float32) == "torch"
+    monkeypatch.setenv("DEEPINFER_FUSED_KERNELS", "npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    with pytest.raises(RuntimeError, match=r"DEEPINFER_FUSED_KERNELS=npu needs torch_npu"):
+        kernel_select.choose_fused_kernels(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setitem(sys.modules, "torch_npu", make())
+    assert kernel_select.choose_fused_kernels(torch.device("cpu"), torch.float32) == "npu"

@@ -26,9 +26,9 @@ from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView,
 from deepinfer_vllm.model_executor.layers.weights import (
     V41Norm,
     V41RowParallelLinear,
+    fused_kernels,
     held,
     linear,
-    use_fused_kernels,
 )
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.compressor import pool_ratio2
@@ -165,8 +165,12 @@ class V41Attention(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        if use_fused_kernels(x) and positions.shape == x.shape[:1] and x.dim() in (2, 3):
-            from deepinfer_vllm.ops.triton.rope import rope_tail
+        where = fused_kernels(x)
+        if where != "torch" and positions.shape == x.shape[:1] and x.dim() in (2, 3):
+            if where == "npu":
+                from deepinfer_vllm.ops.npu import rope_tail
+            else:
+                from deepinfer_vllm.ops.triton.rope import rope_tail
 
             return rope_tail(x, positions, self.rope_cache, inverse)
         return apply_rope_tail(x, positions, self.rope_cache, inverse=inverse)

@@ -1,5 +1,5 @@
 """The mHC sites (spec §5), shared by backbone and DSpark blocks: parameters, and the three
-operations of a site on the reference or on the Triton kernels (``use_fused_kernels``)."""
+operations of a site on the reference or on the Triton kernels (``fused_kernels``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 from deepinfer_vllm.configs import V41Arch
-from deepinfer_vllm.model_executor.layers.weights import V41Norm, held, use_fused_kernels
+from deepinfer_vllm.model_executor.layers.weights import V41Norm, fused_kernels, held
 from deepinfer_vllm.ops import mhc
 from deepinfer_vllm.ops.norm import rms_norm
 
 
 def _kernels(x: torch.Tensor):
     """``ops.triton.mhc`` where the fused kernels run for ``x``, else None."""
-    if not use_fused_kernels(x):
+    if fused_kernels(x) != "triton":
         return None
     from deepinfer_vllm.ops.triton import mhc as kernels
 

@@ -21,13 +21,13 @@ from deepinfer_vllm.model_executor.layers.parallel import all_reduce
 from deepinfer_vllm.ops.norm import rms_norm
 from deepinfer_vllm.ops.numerics import acc_dtype
 
-__all__ = ["V41Norm", "V41RowParallelLinear", "held", "linear", "use_fused_kernels"]
+__all__ = ["V41Norm", "V41RowParallelLinear", "fused_kernels", "held", "linear"]
 
 
-def use_fused_kernels(x: torch.Tensor) -> bool:
-    """Whether the per-token chains (mHC sites, RMSNorm, RoPE) of ``x`` run on the Triton
-    kernels (``choose_fused_kernels``) rather than the references."""
-    return choose_fused_kernels(x.device, x.dtype) == "triton"
+def fused_kernels(x: torch.Tensor) -> str:
+    """Where the per-token chains (mHC sites, RMSNorm, RoPE) of ``x`` run: ``"triton"``,
+    ``"npu"`` (RMSNorm and RoPE on ``torch_npu``) or ``"torch"`` (``choose_fused_kernels``)."""
+    return choose_fused_kernels(x.device, x.dtype)
 
 
 def held(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -45,10 +45,15 @@ class V41Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused_kernels(x):
+        where = fused_kernels(x)
+        if where == "triton":
             from deepinfer_vllm.ops.triton.mhc import rms_norm as fused_rms_norm
 
             return fused_rms_norm(x, self.weight, self.eps)
+        if where == "npu":
+            from deepinfer_vllm.ops import npu
+
+            return npu.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 

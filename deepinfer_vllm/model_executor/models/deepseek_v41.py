@@ -288,7 +288,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if prompt_lens is None:
             raise RuntimeError(
                 "prefill truncation needs prompt lengths in the step metadata; "
-                "run V4.1 with DeepInfer's CPU worker (selected by its platform)"
+                "run V4.1 with a DeepInfer worker (its platforms select one)"
             )
         start = (prompt_lens - self.truncation_keep).clamp_min(0)
         state.decoder_window_start = start[state.token_req]

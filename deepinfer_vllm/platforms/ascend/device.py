@@ -16,9 +16,10 @@ DSpark) is shared with the paths that run here; only this module touches
 
 Covered: SoC name, device count, set_device, synchronize, streams and events,
 memory queries (free/total, peak, empty_cache), the distributed backend name
-(HCCL) and process-group creation, and the environment an Ascend process needs
-(design §8: visible devices, allocator settings). Graph capture is not used yet
-(V4.1 runs eager on Ascend for now).
+(HCCL) and process-group creation, the environment an Ascend process needs
+(design §8: visible devices, allocator settings), and :meth:`TorchNPU.torch_api`,
+which points the stream, event and synchronisation calls of vLLM's GPU runner
+at this device. Graph capture is not used yet (V4.1 runs eager on Ascend).
 """
 
 from __future__ import annotations
@@ -178,6 +179,32 @@ class TorchNPU:
 
     def stream(self, stream):
         return self._npu.stream(stream)
+
+    @contextlib.contextmanager
+    def torch_api(self):
+        """Inside, the device calls vLLM's GPU runner makes by name are this device's:
+        ``torch.cuda``'s streams and events (``Stream``, ``Event``, ``current_stream``,
+        ``stream``), ``torch.Event``, and ``torch.accelerator``'s ``synchronize`` and
+        ``empty_cache``. The NPU worker holds it for its process's lifetime."""
+        import torch
+
+        patches = {
+            (torch.cuda, "Stream"): self.Stream,
+            (torch.cuda, "Event"): self.Event,
+            (torch.cuda, "current_stream"): self.current_stream,
+            (torch.cuda, "stream"): self.stream,
+            (torch, "Event"): self.Event,
+            (torch.accelerator, "synchronize"): self.synchronize,
+            (torch.accelerator, "empty_cache"): self.empty_cache,
+        }
+        saved = {key: getattr(*key) for key in patches}
+        for (owner, name), value in patches.items():
+            setattr(owner, name, value)
+        try:
+            yield self
+        finally:
+            for (owner, name), value in saved.items():
+                setattr(owner, name, value)
 
     def new_group(self, ranks, **kwargs):
         """A process group over ``ranks`` on HCCL."""

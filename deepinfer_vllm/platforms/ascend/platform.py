@@ -11,10 +11,12 @@ DeepInfer's backend. What differs is the device profile:
 * on an NPU (through ``device.TorchNPU``): device ``npu``, dispatch key
   ``PrivateUse1``, HCCL, ``ASCEND_RT_VISIBLE_DEVICES``, eager execution (no
   graph capture yet), spawned workers, the process variables of design §8;
-* simulated (``DEEPINFER_SIMULATED_NPU=1``, tests only): the same class with
-  the device layer stubbed; tensors live on the host, so the host-execution
-  parts of vLLM's CPU platform (kernels, communicator, memory, executor
-  settings) stand in for the device's, while vLLM's log names this platform.
+* simulated (``DEEPINFER_SIMULATED_NPU=1``, tests only): the same class,
+  worker and runner with the device layer stubbed; tensors live on the host,
+  so the host-execution parts of vLLM's CPU platform (kernels, communicator,
+  KV space, executor settings) stand in for the device's, the execution
+  settings (eager, no asynchronous scheduling) are the NPU's, and vLLM's log
+  names this platform.
 
 Every device call goes through ``device.get()``.
 """
@@ -99,6 +101,13 @@ class DeepInferAscendPlatform(Platform):
         npu.get().manual_seed_all(seed)
 
     @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(
+                f"DeepInfer's Ascend platform runs bfloat16, float16 or float32 models, not {dtype}"
+            )
+
+    @classmethod
     def inference_mode(cls):
         return torch.no_grad()
 
@@ -178,16 +187,17 @@ class DeepInferAscendPlatform(Platform):
     @classmethod
     def _device_profile(cls, vllm_config) -> None:
         """Execution settings of the device (not of the model)."""
-        if npu.get().simulated:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        simulated = npu.get().simulated
+        if simulated:
             # Host tensors: vLLM's CPU platform settings (KV space from VLLM_CPU_KVCACHE_SPACE,
-            # multiprocessing executor, spawned workers, compilation mode).
+            # executor, distributed set-up), then the NPU's execution settings below.
             from vllm.platforms.cpu import CpuPlatform
 
             CpuPlatform.check_and_update_config(vllm_config)
-            return
-        from vllm.config import CompilationMode, CUDAGraphMode
-
-        npu.apply_process_env()
+        else:
+            npu.apply_process_env()
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE
@@ -198,8 +208,9 @@ class DeepInferAscendPlatform(Platform):
         if parallel_config.enable_dbo:
             logger.warning("Dual-Batch Overlap is not supported on DeepInfer's Ascend platform; disabled.")
             parallel_config.enable_dbo = False
-        # An NPU context does not survive fork.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if not simulated:
+            # An NPU context does not survive fork.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 
 def _delegate_to_host(name: str):

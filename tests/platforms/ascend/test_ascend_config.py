@@ -163,22 +163,81 @@ def test_simulated_npu_uses_the_host_profile(npu_host, tiny_checkpoint):
     assert "HCCL_BUFFSIZE" not in os.environ  # no device process variables on the host
 
 
-def test_worker_refuses_a_real_npu(npu_host):
-    from deepinfer_vllm.platforms.ascend.worker import DeepInferNPUWorker
+def test_runner_is_vllms_device_runner_with_the_v41_additions(npu_host):
+    """Not the CPU runner (which aliases every device buffer to its host buffer): vLLM's
+    device runner, V4.1's shared additions first in the bases, syncing through the layer."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    assert not npu.get().simulated
-    with pytest.raises(NotImplementedError, match="simulated NPU"):
-        DeepInferNPUWorker(None, 0, 0, "")
-
-
-def test_runner_reuses_the_cpu_runner_and_syncs_through_the_layer(npu_host):
     from deepinfer_vllm.platforms.ascend.worker import DeepInferNPUModelRunner
     from deepinfer_vllm.platforms.cpu_worker import DeepInferCPUModelRunner
+    from deepinfer_vllm.platforms.v41_runner import V41RunnerMixin
 
-    assert issubclass(DeepInferNPUModelRunner, DeepInferCPUModelRunner)
+    assert DeepInferNPUModelRunner.__mro__[1:3] == (V41RunnerMixin, GPUModelRunner)
+    assert not issubclass(DeepInferNPUModelRunner, CPUModelRunner)
+    assert DeepInferCPUModelRunner.__mro__[1:3] == (V41RunnerMixin, CPUModelRunner)
+    runner = object.__new__(DeepInferNPUModelRunner)
+    runner.device = "npu:3"  # torch.device("npu:3") needs the real torch_npu
+    runner._sync_device()
     stub = sys.modules["torch_npu"]
-    DeepInferNPUModelRunner._sync_device(object.__new__(DeepInferNPUModelRunner))
-    assert [name for name, _ in stub.calls] == ["synchronize"]
+    assert [(name, str(args[0])) for name, args in stub.calls] == [("synchronize", "npu:3")]
+
+
+def test_torch_api_points_vllms_device_calls_at_the_npu(npu_host):
+    import torch
+
+    stub = sys.modules["torch_npu"]
+    before = (torch.cuda.Stream, torch.cuda.Event, torch.Event, torch.accelerator.synchronize)
+    with npu.get().torch_api():
+        assert torch.cuda.Stream() == ("stream", ())
+        assert torch.cuda.Event(blocking=True) == ("event", ()) and torch.Event() == ("event", ())
+        assert torch.cuda.current_stream() == "current"
+        assert torch.cuda.stream("s") == "s"
+        torch.accelerator.synchronize()
+        torch.accelerator.empty_cache()
+    assert [name for name, _ in stub.calls] == ["synchronize", "empty_cache"]
+    assert (torch.cuda.Stream, torch.cuda.Event, torch.Event, torch.accelerator.synchronize) == before
+
+
+def _worker(**cache):
+    from deepinfer_vllm.platforms.ascend.worker import DeepInferNPUWorker
+
+    worker = object.__new__(DeepInferNPUWorker)
+    worker.device = "npu:0"
+    worker.cache_config = SimpleNamespace(gpu_memory_utilization=0.9, kv_cache_memory_bytes=None, **cache)
+    return worker
+
+
+def test_kv_budget_is_the_device_budget_less_use_and_step_peak(npu_host):
+    # The stub device: 128 GiB, half free, 1 MiB allocated now, 2 MiB at the step's peak.
+    total = 128 << 30
+    assert _worker()._kv_budget(npu.get()) == int(total * 0.9) - total // 2 - (1 << 20)
+    worker = _worker()
+    worker.cache_config.gpu_memory_utilization = 0.5
+    with pytest.raises(ValueError, match="No device memory left for the KV caches.*gpu-memory-utilization"):
+        worker._kv_budget(npu.get())
+
+
+def test_worker_refuses_sleep_and_offsets_data_parallel_engines(npu_host):
+    worker = _worker()
+    with pytest.raises(ValueError, match="sleep mode"):
+        worker.sleep()
+    worker.parallel_config = SimpleNamespace(
+        distributed_executor_backend="mp", data_parallel_backend="mp", data_parallel_rank_local=1,
+        data_parallel_index=1, pipeline_parallel_size=1, tensor_parallel_size=4,
+    )
+    assert worker._dp_local_offset() == 4  # DP engine 1 of TP=4 starts at NPU 4
+    worker.parallel_config.distributed_executor_backend = "ray"
+    assert worker._dp_local_offset() == 0  # Ray assigns devices itself
+
+
+def test_dtypes(npu_host):
+    import torch
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        DeepInferAscendPlatform.check_if_supports_dtype(dtype)
+    with pytest.raises(ValueError, match="float64"):
+        DeepInferAscendPlatform.check_if_supports_dtype(torch.float64)
 
 
 def test_vllm_class_choice_is_refused_by_name(npu_host, tiny_checkpoint):

@@ -2,7 +2,8 @@
 
 vLLM resolves its platform once per process, so the engine runs in a fresh
 process: ``vllm.LLM`` on DeepInfer's Ascend platform, worker and runner with
-the device layer stubbed, chunked prefill (32-token chunks), a KV budget small
+the device layer stubbed (vLLM's device runner, with separate host and
+"device" buffers), chunked prefill (32-token chunks), a KV budget small
 enough to preempt, and a prefix-cache hit on a repeated prompt. Its greedy
 tokens must equal the reference's (as on the CPU platform, see
 tests/e2e/test_llm_chunked_preemption.py), and its log must name the Ascend
@@ -39,11 +40,12 @@ SCRIPT = textwrap.dedent(
         again = list(llm.generate([{"prompt_token_ids": prompts[2]}], greedy)[0].outputs[0].token_ids)
         hits = metric("vllm:prefix_cache_hits") - hits0
         cfg = llm.llm_engine.vllm_config
+        runner = llm.collective_rpc("deepinfer_runner_info")[0]
         print("RESULT " + json.dumps({
             "platform": type(current_platform).__name__,
             "device": current_platform.get_device_name(),
             "worker_cls": cfg.parallel_config.worker_cls,
-            "block_size": cfg.cache_config.block_size,
+            "block_size": cfg.cache_config.block_size, "runner": runner,
             "batched": batched, "again": again, "preemptions": preempted, "prefix_hits": hits,
             "drafts": metric("vllm:spec_decode_num_drafts"),
         }))
@@ -51,10 +53,25 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(checkpoint, prompts, tmp_path, **extra) -> tuple[dict, str]:
+# Negative control, loaded by every process of the engine (they are spawned): the runner's
+# host staging buffers never reach their device twins.
+DROP_COPIES = textwrap.dedent(
+    """
+    from vllm.v1.utils import CpuGpuBuffer
+    CpuGpuBuffer.copy_to_gpu = lambda self, n=None: self.gpu if n is None else self.gpu[:n]
+    """
+)
+
+
+def _run(checkpoint, prompts, tmp_path, drop_copies=False, **extra) -> tuple[dict, str]:
     script = tmp_path / "run_simulated_npu.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, DEEPINFER_SIMULATED_NPU="1", VLLM_CPU_KVCACHE_SPACE="1")
+    if drop_copies:
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(DROP_COPIES)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     for name in ("DEEPINFER_PLATFORM", "VLLM_TARGET_DEVICE", "VLLM_PLUGINS"):
         env.pop(name, None)
     proc = subprocess.run(
@@ -69,6 +86,11 @@ def _run(checkpoint, prompts, tmp_path, **extra) -> tuple[dict, str]:
     assert result["worker_cls"] == "deepinfer_vllm.platforms.ascend.worker.DeepInferNPUWorker"
     assert result["block_size"] == 64
     assert "DeepInfer's Ascend platform runs on Ascend950PR (simulated)" in log
+    # vLLM's device runner, not the CPU runner: every host staging buffer has its own
+    # "device" twin, so inputs reach the model only through the runner's copies.
+    runner = result["runner"]
+    assert runner["runner"] == "DeepInferNPUModelRunner" and runner["device"] == "cpu"
+    assert runner["buffers"] >= 5 and runner["separate"] == runner["buffers"], runner
     return result, log
 
 
@@ -93,3 +115,13 @@ def test_simulated_npu_dspark_is_lossless(tiny_dspark_checkpoint, acceptance_pro
     assert result["again"] == reference_greedy[2]
     assert result["drafts"] > 0, "nothing was drafted"
     assert "dspark=k=3 adaptive=True" in log
+
+
+def test_simulated_npu_catches_a_missing_host_to_device_copy(
+    tiny_checkpoint, acceptance_prompts, reference_greedy, tmp_path
+):
+    """The simulation can fail: with the runner's copies to the device dropped, the model reads
+    stale device buffers and the tokens leave the reference (on the CPU runner, whose device
+    buffers are its host buffers, the same change would go unnoticed)."""
+    result, _ = _run(tiny_checkpoint, acceptance_prompts, tmp_path, drop_copies=True)
+    assert result["batched"] != reference_greedy

@@ -1,0 +1,66 @@
+"""RMSNorm and RoPE on ``torch_npu``'s fused operators (Ascend), beside their references.
+
+* :func:`rms_norm`: ``torch_npu.npu_rms_norm`` (CANN RmsNorm); reference
+  ``ops.norm.rms_norm``. The weight is cast to the input's dtype (the op
+  takes one dtype; the release's bf16 weight is exact in fp32).
+* :func:`rope_tail`: ``torch_npu.npu_rotary_mul`` in ``interleave`` mode
+  (GPT-J pairs, ``out = r1 * x + r2 * rotate(x)``); reference
+  ``ops.rope.apply_rope_tail``. The rotary tail goes in as fp32 with fp32
+  ``[cos, cos]`` / ``[sin, sin]`` interleaved per pair and the result is
+  rounded once, which is the reference's arithmetic term for term.
+
+Chosen by ``DEEPINFER_FUSED_KERNELS`` (``kernel_select.choose_fused_kernels``).
+Checked here only against an emulation of the operators' documented
+formulas (``tests/ops/test_npu_ops.py``); ``tests/npu/`` checks them on an
+NPU and has never run (no hardware).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rms_norm", "rope_tail"]
+
+
+def _torch_npu():
+    import torch_npu
+
+    return torch_npu
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.norm.rms_norm(x, weight, eps)`` as one CANN RmsNorm."""
+    y, _rstd = _torch_npu().npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)
+    return y
+
+
+def rope_tail(
+    x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """``ops.rope.apply_rope_tail`` for ``x [T, D]`` or ``[T, H, D]`` with ``positions [T]``
+    (one position per token), as one ``npu_rotary_mul``."""
+    if x.dim() not in (2, 3) or positions.shape != x.shape[:1]:
+        raise ValueError(
+            f"rope_tail on the NPU takes x [T, D] or [T, H, D] and positions [T]; got x {tuple(x.shape)}, "
+            f"positions {tuple(positions.shape)}"
+        )
+    rotary_dim = cache.shape[-1]
+    if x.shape[-1] < rotary_dim:
+        raise ValueError(f"last dim {x.shape[-1]} smaller than rotary_dim {rotary_dim}")
+    half = rotary_dim // 2
+    cs = cache[positions.long()]  # [T, rotary_dim] fp32: cos | sin
+    cos = cs[:, :half].repeat_interleave(2, dim=-1)
+    sin = cs[:, half:].repeat_interleave(2, dim=-1)
+    if inverse:
+        sin = -sin
+    split = x.shape[-1] - rotary_dim
+    tail = x[..., split:].float()
+    # BSND layout: B = 1, S = tokens, N = heads (1 for [T, D]); cos/sin broadcast over N.
+    tail4 = tail.reshape(1, x.shape[0], -1, rotary_dim)
+    r1 = cos.view(1, x.shape[0], 1, rotary_dim)
+    r2 = sin.view(1, x.shape[0], 1, rotary_dim)
+    rotated = _torch_npu().npu_rotary_mul(tail4, r1, r2, rotary_mode="interleave")
+    rotated = rotated.reshape(tail.shape).to(x.dtype)
+    if split == 0:
+        return rotated
+    return torch.cat([x[..., :split], rotated], dim=-1)

@@ -1,0 +1,153 @@
+"""DeepInfer's additions to vLLM's V1 model runner, shared by every platform's runner.
+
+vLLM's runner is reused as is; :class:`V41RunnerMixin` only adds what V4.1
+needs and the V1 runner does not do, none of it device-specific:
+
+* each request's prompt length in the step metadata, which anchors DeepInfer's
+  prefill truncation of the decoder half (``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``);
+* DSpark drafting (``spec_decode``): the drafts of every step, their
+  distributions for vLLM's rejection sampler, and the cost table of adaptive
+  verification, profiled once the KV caches exist;
+* seeded sampling across prefill chunks: after a step that ends inside a
+  prompt, vLLM discards the request's sample and rewinds its generator with
+  ``set_offset``, which CPU generators lack (the engine dies). The runner
+  keeps the generator's state from before sampling and restores that instead,
+  so a seeded request draws the same numbers however its prompt is chunked
+  (alone or in a batch). Generators on a device keep vLLM's rewind.
+
+Other models never see a difference (only ``V41StepMetadata`` objects are
+touched, and the DSpark hooks run only with DeepInfer's proposer). The CPU
+runner is ``V41RunnerMixin`` + vLLM's ``CPUModelRunner`` (``cpu_worker.py``);
+the NPU runner is ``V41RunnerMixin`` + vLLM's ``GPUModelRunner``
+(``ascend/worker.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
+from deepinfer_vllm.spec_decode.proposer import DSparkProposer
+
+
+# Adaptive verification's start-up profile stops here; larger steps are
+# extrapolated from the last two sizes (the cost is linear there).
+PROFILE_MAX_TOKENS = 512
+
+
+class V41RunnerMixin:
+    """V4.1's additions to vLLM's V1 model runner (see the module docstring); put before the
+    device's runner class in the bases."""
+
+    _v41_step_metadata: dict | None = None
+
+    def _build_attention_metadata(self, num_tokens: int, num_reqs: int, *args, **kwargs):
+        attn_metadata, spec_metadata = super()._build_attention_metadata(
+            num_tokens, num_reqs, *args, **kwargs
+        )
+        prompt_lens = None
+        layers = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
+        for per_layer in layers:
+            for meta in per_layer.values():
+                if isinstance(meta, V41StepMetadata):
+                    if prompt_lens is None:
+                        host = self.input_batch.num_prompt_tokens_cpu_tensor[: meta.num_reqs]
+                        prompt_lens = host.to(meta.seq_lens.device, meta.seq_lens.dtype, non_blocking=True)
+                    meta.prompt_lens = prompt_lens
+        if isinstance(attn_metadata, dict):
+            self._v41_step_metadata = attn_metadata
+        return attn_metadata, spec_metadata
+
+    # ------------------------------------------------------- seeded sampling
+    _rewind: dict | None = None
+
+    def _sample(self, logits, spec_decode_metadata):
+        # Requests whose sample this step discards (a prompt chunk that is not the
+        # last): remember their CPU generators' state before the sampler draws.
+        rewind = {}
+        num_reqs = self.input_batch.num_reqs
+        for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0].tolist():
+            gen = self.input_batch.generators.get(i)
+            if gen is not None and gen.device.type == "cpu":
+                rewind[i] = (gen, gen.get_state())
+        self._rewind = rewind
+        return super()._sample(logits, spec_decode_metadata)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        # Restore those states, and hide the generators from vLLM's offset rewind.
+        rewind, self._rewind = self._rewind or {}, None
+        generators = self.input_batch.generators
+        for i, (gen, state) in rewind.items():
+            gen.set_state(state)
+            generators.pop(i, None)
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            for i, (gen, _) in rewind.items():
+                generators[i] = gen
+
+    # ---------------------------------------------------------------- DSpark
+    def _dspark(self) -> DSparkProposer | None:
+        drafter = getattr(self, "drafter", None)
+        return drafter if isinstance(drafter, DSparkProposer) else None
+
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        drafter = self._dspark()
+        if drafter is None or not drafter.settings.adaptive:
+            return super()._model_forward(input_ids, positions, *args, **kwargs)
+        t0 = time.perf_counter()
+        out = super()._model_forward(input_ids, positions, *args, **kwargs)
+        if positions is not None and self._v41_step_metadata:
+            drafter.verify_costs.observe(int(positions.shape[-1]), time.perf_counter() - t0)
+        return out
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        drafter = self._dspark()
+        if drafter is not None and drafter.settings.adaptive:
+            limit = min(
+                self.scheduler_config.max_num_batched_tokens,
+                self.scheduler_config.max_num_seqs * (1 + drafter.k),
+                PROFILE_MAX_TOKENS,
+            )
+            drafter.profile(lambda n: self._dummy_run(n), limit)
+
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ):
+        drafter = self._dspark()
+        if drafter is None:
+            return super().propose_draft_token_ids(
+                scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings,
+            )
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        num_drafts = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
+        drafts, probs = drafter.draft(self, sampled_token_ids, self._v41_step_metadata or {}, num_drafts)
+        if probs is not None:
+            self._draft_probs = probs
+            self._draft_prob_req_ids = list(self.input_batch.req_ids)
+        return drafts
+
+
+class V41WorkerMixin:
+    """What every DeepInfer worker answers besides vLLM's worker API."""
+
+    def deepinfer_weight_bytes(self) -> dict[str, dict[str, int]]:
+        """This worker's resident weight bytes per component, beside the checkpoint's
+        (``collective_rpc("deepinfer_weight_bytes")``; ``deepinfer-weight-bytes``)."""
+        from deepinfer_vllm.model_executor.weight_bytes import weight_bytes
+
+        return weight_bytes(self.model_runner.get_model())
