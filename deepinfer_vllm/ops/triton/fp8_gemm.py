@@ -79,6 +79,27 @@ def store_out(ptr, v, mask, OUT_KIND: tl.constexpr):
 
 
 @triton.jit
+def scale_blocks(w, sw, BN: tl.constexpr, BK: tl.constexpr):
+    """Weight tile ``w [BN, BK]`` (fp32) times its per-32-column scales ``sw [BN, BK // 32]``, as bf16."""
+    return tl.reshape(tl.reshape(w, [BN, BK // 32, 32]) * sw[:, :, None], [BN, BK]).to(tl.bfloat16)
+
+
+@triton.jit
+def store_tile(
+    out_ptr, acc, offs_m, offs_n, omask, pid_k, rows, N, stride_om,
+    SPLIT: tl.constexpr, OUT_KIND: tl.constexpr,
+):
+    """The epilogue of a ``[BN, BM]`` (column, row) tile: with ``SPLIT > 1`` its fp32 partial sum
+    into the workspace ``[SPLIT, rows, N]`` (``splitk_reduce`` adds them), else the tile rounded
+    into ``out``."""
+    if SPLIT > 1:
+        ptr = out_ptr + pid_k.to(tl.int64) * rows * N + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.store(ptr, acc, mask=omask)
+    else:
+        store_out(out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc, omask, OUT_KIND)
+
+
+@triton.jit
 def _splitk_reduce_kernel(
     part_ptr,
     out_ptr,
@@ -220,15 +241,11 @@ def _fp8_gemm_kernel(
             sw = ue8m0(
                 tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 0
             )
-            w = tl.reshape(tl.reshape(w, [BN, BK // 32, 32]) * sw[:, :, None], [BN, BK]).to(tl.bfloat16)
+            w = scale_blocks(w, sw, BN, BK)
             xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
             acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
     omask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT > 1:
-        part_ptr = out_ptr + pid_k.to(tl.int64) * M * N + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-        tl.store(part_ptr, acc, mask=omask)
-    else:
-        store_out(out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc, omask, OUT_KIND)
+    store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND)
 
 
 # --------------------------------------------------------------------------- wrapper

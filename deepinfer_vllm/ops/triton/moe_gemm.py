@@ -35,10 +35,12 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
     gemm_activations,
     gemm_output,
     mma_bf16,
+    scale_blocks,
     sm_count,
     split_k,
     splitk_reduce,
     store_out,
+    store_tile,
     ue8m0,
     weight_bytes,
 )
@@ -196,19 +198,13 @@ def _moe_tile(
                     tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 6
                 )
                 w = e2m1_e4m3_x64(p, BN, BK // 2, ASM).to(tl.float32)
-                w = tl.reshape(tl.reshape(w, [BN, BK // 32, 32]) * sw[:, :, None], [BN, BK]).to(tl.bfloat16)
+                w = scale_blocks(w, sw, BN, BK)
                 kk = k0 + tl.arange(0, BK)
                 kmask = kk < k_hi
                 xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
                 acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
         omask = n_mask[:, None] & m_mask[None, :]
-        if SPLIT > 1:
-            ptr = out_ptr + pid_k.to(tl.int64) * R * N + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-            tl.store(ptr, acc, mask=omask)
-        else:
-            store_out(
-                out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc, omask, OUT_KIND
-            )
+        store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, R, N, stride_om, SPLIT, OUT_KIND)
     elif SPLIT == 1:
         # Past the last tile: zero the rows after offsets[E], one row tile per program.
         offs_m = tl.load(off_ptr + E).to(tl.int32) + (t - total) * BM + tl.arange(0, BM)
