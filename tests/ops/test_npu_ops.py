@@ -32,8 +32,8 @@ def test_rms_norm_matches_reference(fake, dtype):
         assert torch.equal(got, ref)  # fp32 statistics, one rounding: the reference's numerics
     else:
         # The operator keeps fp32 statistics where the fp32 reference uses fp64 (so fp32
-        # models keep the reference in ``auto``): a few fp32 ulps.
-        assert got.dtype == ref.dtype and torch.allclose(got, ref, rtol=4e-7 * 4, atol=0)
+        # models keep the reference in ``auto``): within 1.6e-6 relative, about 13 fp32 ulps.
+        assert got.dtype == ref.dtype and torch.allclose(got, ref, rtol=1.6e-6, atol=0)
     assert fake.calls == ["npu_rms_norm"]
 
 
