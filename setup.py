@@ -25,7 +25,7 @@ setup(
         # Ascend 950: torch-npu 2.13.0rc1 requires torch==2.13.0 (vLLM 0.32's torch);
         # CANN (9.2) comes from the vendor's channel.
         "ascend": ["vllm==0.32.*", "torch==2.13.0", "torch-npu==2.13.0rc1"],
-        "test": ["pytest>=8", "pytest-timeout", "requests"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "requests"],
     },
     entry_points={
         "vllm.general_plugins": ["deepinfer_vllm = deepinfer_vllm:register"],
@@ -37,6 +37,7 @@ setup(
             "deepinfer-make-checkpoint = deepinfer_vllm.tools.make_checkpoint:main",
             "deepinfer-memory-plan = deepinfer_vllm.tools.memory_plan:main",
             "deepinfer-train-dspark = deepinfer_vllm.tools.train_dspark:main",
+            "deepinfer-vllm-cpu-alias = deepinfer_vllm.tools.vllm_cpu_alias:main",
             "deepinfer-weight-bytes = deepinfer_vllm.tools.weight_bytes:main",
         ],
     },

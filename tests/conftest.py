@@ -22,23 +22,34 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory) -> str:
+def _shared_checkpoint(tmp_path_factory, preset: str) -> str:
+    """``preset`` at seed 0, made once per test run: pytest-xdist's workers share the folder
+    above their own temporary folders, and the first worker to ask makes it under a lock."""
+    from filelock import FileLock
+
     from deepinfer_vllm.tools.make_checkpoint import make_checkpoint
 
-    out = tmp_path_factory.mktemp("tiny")
-    make_checkpoint(out, preset="tiny", seed=0)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / f"checkpoint-{preset}"
+    done = root / f"checkpoint-{preset}.done"
+    with FileLock(str(out) + ".lock"):
+        if not done.exists():
+            make_checkpoint(out, preset=preset, seed=0)
+            done.touch()
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    return _shared_checkpoint(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_dspark_checkpoint(tmp_path_factory) -> str:
     """``tiny`` (the same target weights) with a 5-token DSpark block and a trained draft."""
-    from deepinfer_vllm.tools.make_checkpoint import make_checkpoint
-
-    out = tmp_path_factory.mktemp("tiny_dspark")
-    make_checkpoint(out, preset="tiny-dspark", seed=0)
-    return str(out)
+    return _shared_checkpoint(tmp_path_factory, "tiny-dspark")
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +70,38 @@ def acceptance_prompts() -> list[list[int]]:
 def reference_greedy(tiny_reference, acceptance_prompts) -> list[list[int]]:
     """The reference's greedy 16-token continuations of the acceptance prompts."""
     return [tiny_reference.greedy_generate(p, 16) for p in acceptance_prompts]
+
+
+# ---------------------------------------------------------------- running side by side
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): a group of tests runs whole
+# in one worker, so a module-scoped engine or server starts once. A test file is one group unless
+# its tests name finer ones (one per engine, e.g. tests/e2e/test_parallel.py); shared servers name
+# theirs (tests/e2e/conftest.py). Each worker's engines bind their OpenMP threads to a core of
+# their own; two-worker engines (TP=2, DP=2) set "0|1" themselves.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    _cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_WORKER.removeprefix("gw")) % len(_cores)])
+
+# The longest groups start first, so that neither worker is left with a long one at the end
+# (measured: the installed-wheel module, then the DSpark and simulated-NPU engines).
+FIRST = (
+    "tests/e2e/test_installed_wheel.py",
+    "tests/e2e/test_serving.py",
+    "tests/e2e/test_readme.py",
+    "tests/e2e/test_dspark",
+    "tests/platforms/ascend/test_ascend_simulated_llm.py",
+    "tests/e2e/",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return next((i for i, prefix in enumerate(FIRST) if path.startswith(prefix)), len(FIRST))
+
+    items.sort(key=rank)  # stable: the order within a rank is pytest's

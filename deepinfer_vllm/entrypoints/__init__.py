@@ -1,9 +1,13 @@
 """What V4.1 needs from vLLM's serving stack, whichever class serves the model.
 
 * ``tool_parser``: ``--tool-call-parser deepseek_v41`` with arguments pinned to the
-  tool's schema when a call is forced;
+  tool's schema when a call is forced, and only whole calls returned or streamed (a
+  call cut by ``max_tokens`` is left out);
 * ``structured_outputs``: xgrammar JSON grammars that keep strings valid and
-  whitespace bounded, for JSON responses and tool-call arguments.
+  whitespace bounded, for JSON responses and tool-call arguments, and V4.1's JSON
+  schemas kept on xgrammar;
+* ``schema_keywords``: the schema keywords xgrammar ignores, refused with a 400 naming
+  the keyword and its JSON path (``response_format`` and tool parameters).
 """
 
 from __future__ import annotations

@@ -17,17 +17,35 @@ whitespace run is bounded by ``DEEPINFER_GRAMMAR_MAX_WHITESPACE``. JSON requests
 (``response_format`` ``json_schema``/``json_object``) and the JSON schemas inside
 structural tags (tool-call arguments) both go through it. Escapes stay out of
 bounded strings, as in xgrammar's own bounded strings.
+
+xgrammar also drops some keywords outright (``uniqueItems``, length bounds next to
+``pattern``/``format``, ...: ``schema_keywords``). For V4.1 models under the
+``auto`` or ``xgrammar`` backend, the plugin checks each request's JSON schema where
+vLLM validates it (``SamplingParams.verify``, in the front end): a keyword xgrammar
+would ignore is a 400 naming the keyword and its JSON path, and so are the JSON
+schemas inside a structural tag (tool-call arguments, a ``response_format`` joined
+to tool calls). Such a schema is never handed to guidance instead: vLLM's ``auto``
+picks a backend per request in the front end, but its engine builds one backend, for
+the first structured request, and compiles every later request with it. A schema
+sent to "guidance" was therefore compiled by xgrammar whenever a tool call or an
+xgrammar-enforceable schema came first (how ``format: "email"`` with ``maxLength``
+lost its bound), and a guidance-first engine would refuse V4.1's tool-call
+structural tags. What vLLM accepts of V4.1's JSON schemas and tags goes to xgrammar.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Keys that already pin a string's text: its length bounds are left to them.
+# Keys that already pin a string's text: left to xgrammar, which drops length bounds
+# next to ``pattern`` and a supported ``format`` (refused up front: ``schema_keywords``)
+# and emits ``enum``/``const`` values as listed.
 _STRING_PINS = ("pattern", "format", "enum", "const")
 
 
@@ -101,9 +119,116 @@ class BoundedGrammarCompiler:
         return self._compiler.compile_structural_tag(tag, *args, **kwargs)
 
 
+def unenforced_keyword_error(structured_outputs: Any) -> Exception | None:
+    """A ``VLLMValidationError`` listing the keywords xgrammar would ignore in the JSON
+    schemas of ``structured_outputs`` (``json``, or those inside ``structural_tag``),
+    or ``None`` when there are none."""
+    from vllm.exceptions import VLLMValidationError
+
+    from deepinfer_vllm.entrypoints.schema_keywords import describe, json_schemas_in_tag, unenforced
+
+    found = []
+    try:
+        if structured_outputs.json is not None:
+            schema = structured_outputs.json
+            found = [
+                ("the JSON schema", unenforced(json.loads(schema) if isinstance(schema, str) else schema))
+            ]
+        elif structured_outputs.structural_tag:
+            found = [
+                (f"JSON schema {i} of the structural tag", unenforced(schema))
+                for i, schema in enumerate(json_schemas_in_tag(structured_outputs.structural_tag))
+            ]
+    except ValueError:
+        return None  # not JSON: vLLM's own validation answers
+    found = [(where, problems) for where, problems in found if problems]
+    if not found:
+        return None
+    detail = "; ".join(f"{where}: {describe(problems)}" for where, problems in found)
+    return VLLMValidationError(
+        "The grammar backend (xgrammar) cannot enforce these JSON schema keywords, so the answer "
+        f"could violate the schema: {detail}. Remove or rewrite them.",
+        parameter="response_format",
+    )
+
+
+def _xgrammar_compile_error(structured_outputs: Any) -> Exception | None:
+    """xgrammar's error compiling the request's JSON schema or structural tag, if any."""
+    import xgrammar as xgr
+
+    try:
+        if structured_outputs.json is not None:
+            schema = structured_outputs.json
+            xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+        elif structured_outputs.structural_tag:
+            xgr.Grammar.from_structural_tag(structured_outputs.structural_tag)
+    except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeError and others)
+        return e
+    return None
+
+
+def _install_keyword_check() -> None:
+    """For V4.1 models, JSON schemas always go to xgrammar and are refused when they
+    carry keywords xgrammar would ignore (module docstring), in vLLM's request
+    validation (``SamplingParams``, front end)."""
+    from vllm.sampling_params import SamplingParams
+
+    if getattr(SamplingParams, "_deepinfer_keyword_check", False):
+        return
+    stock = SamplingParams._validate_structured_outputs
+
+    @functools.wraps(stock)
+    def _validate_structured_outputs(self, model_config, structured_outputs_config, tokenizer) -> None:
+        from deepinfer_vllm.configs import is_v41_config
+
+        so = self.structured_outputs
+        if (
+            so is None
+            or structured_outputs_config is None
+            or not is_v41_config(model_config.hf_config)
+            or not (so.json is not None or so.structural_tag)
+            or structured_outputs_config.backend not in ("auto", "xgrammar")
+        ):
+            return stock(self, model_config, structured_outputs_config, tokenizer)
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            stock(self, model_config, structured_outputs_config, tokenizer)
+        except Exception as refused:
+            error = unenforced_keyword_error(so)  # name the keywords and their paths
+            if error is not None:
+                raise error from refused
+            raise
+        error = unenforced_keyword_error(so)
+        if error is not None:
+            raise error
+        if so._backend != "xgrammar":
+            # ``auto`` handed the schema to guidance/outlines. vLLM V1 runs one backend per
+            # engine, made for the first structured request (``StructuredOutputManager.
+            # grammar_init``), so that choice either makes every later request (V4.1's
+            # tool-call structural tags included) run on guidance, or is ignored and the
+            # schema compiled by xgrammar anyway, dropping what xgrammar ignores: the user
+            # report of ``format`` + ``maxLength``. Keep V4.1 on xgrammar, whose keywords
+            # were just checked.
+            compile_error = _xgrammar_compile_error(so)
+            if compile_error is not None:
+                reason = re.sub(r"^\[[^\]]*\] [^ ]+:\d+: ", "", str(compile_error).splitlines()[0])
+                raise VLLMValidationError(
+                    f"The grammar backend (xgrammar) cannot compile this JSON schema: {reason[:300]}",
+                    parameter="response_format",
+                ) from compile_error
+            so._backend = "xgrammar"
+            so._backend_was_auto = True
+
+    SamplingParams._validate_structured_outputs = _validate_structured_outputs
+    SamplingParams._deepinfer_keyword_check = True
+
+
 def install() -> None:
     """Wrap the compiler of every xgrammar backend vLLM builds for a V4.1 model (once
-    per process; other models keep vLLM's compiler)."""
+    per process; other models keep vLLM's compiler), and check V4.1 requests' JSON
+    schemas for keywords xgrammar would ignore."""
+    _install_keyword_check()
     from vllm.v1.structured_output import backend_xgrammar
 
     backend = backend_xgrammar.XgrammarBackend

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,38 +26,59 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def openai_server(
-    model: str, args: list[str], log_path: Path, env: dict | None = None, cli: bool = False
+    model: str, args: list[str], log_path: Path, env: dict | None = None, cli: bool = False,
+    bin_dir: Path | None = None, cwd: Path | None = None,
 ) -> Iterator[str]:
     """``python -m vllm.entrypoints.openai.api_server --model MODEL ARGS`` (``cli``: the
-    ``vllm serve MODEL ARGS`` command of this environment); yields its URL once ``/health``
-    answers (the log goes to ``log_path``), terminates it afterwards."""
+    ``vllm serve MODEL ARGS`` command) of this environment, or of the one whose scripts are in
+    ``bin_dir``; yields its URL once ``/health`` answers (the log goes to ``log_path``),
+    terminates it afterwards."""
     port = free_port()
+    bin_dir = bin_dir or Path(sys.executable).parent
     if cli:
-        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model, *args, "--port", str(port)]
+        cmd = [str(bin_dir / "vllm"), "serve", model, *args, "--port", str(port)]
     else:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *args]
+        cmd = [str(bin_dir / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model, *args]
         cmd += ["--port", str(port)]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(log_path.read_text()[-4000:])
-            time.sleep(2)
+        wait_healthy(proc, url, log_path)
         yield url
     finally:
-        proc.terminate()
+        stop(proc)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 600) -> None:
+    """Until ``url/health`` answers 200; the server's exit or the timeout raise with its log."""
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(log_path.read_text()[-4000:])
+        time.sleep(2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate a server (its process group when it leads one), kill it after 60 s."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.terminate()
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()

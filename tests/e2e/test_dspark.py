@@ -34,7 +34,11 @@ def _per_position(llm) -> list[float]:
     return []
 
 
-@pytest.fixture(scope="module", params=sorted(SETTINGS))
+# One xdist group per engine: `make test`'s two workers start different settings side by side.
+ENGINES = [pytest.param(k, marks=pytest.mark.xdist_group(f"dspark-{k}")) for k in sorted(SETTINGS)]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
 def engine(request, tiny_dspark_checkpoint):
     llm = LLM(
         model=tiny_dspark_checkpoint,

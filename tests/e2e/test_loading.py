@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HUB_ID = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -34,6 +36,7 @@ def _offline_cache(checkpoint: str, root: Path) -> Path:
     return root
 
 
+@pytest.mark.xdist_group("test_hub_id_from_an_offline_cache_serves_the_reference")  # an engine each: side by side
 def test_hub_id_from_an_offline_cache_serves_the_reference(
     tiny_checkpoint, tmp_path, acceptance_prompts, reference_greedy
 ):
@@ -62,6 +65,7 @@ def test_hub_id_from_an_offline_cache_serves_the_reference(
     assert [int(t) for t in line.split()[1].split(",")] == reference_greedy[1]
 
 
+@pytest.mark.xdist_group("test_weight_bytes_cli_reports_each_worker")  # an engine each: side by side
 def test_weight_bytes_cli_reports_each_worker(tiny_checkpoint):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     out = subprocess.run(
@@ -94,10 +98,8 @@ def test_weight_bytes_cli_reports_each_worker(tiny_checkpoint):
 def test_a_bad_tensor_is_named_in_the_users_process_before_any_engine_starts(tiny_checkpoint, tmp_path):
     """A mis-shaped and a missing tensor: ``vllm.LLM`` raises at config time with both names,
     not vLLM's generic "Engine core initialization failed" from a child process."""
-    import pytest
     import torch
     from safetensors.torch import load_file, save_file
-
     from vllm import LLM
 
     bad = tmp_path / "bad"

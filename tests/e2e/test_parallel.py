@@ -1,7 +1,7 @@
-"""V4.1 split over vLLM's process groups on CPU: tensor parallelism through ``vllm.LLM``, and
-data + expert parallelism through vLLM's OpenAI server (``LLM`` refuses
-``data_parallel_size``). Both give the one-rank greedy tokens, prompt logprobs within
-1e-3, and each rank holds its share of the weights, measured in the running workers.
+"""V4.1 split over vLLM's process groups on CPU, each through vLLM's OpenAI server: tensor
+parallelism, and data + expert parallelism. Both give the one-rank greedy tokens, prompt
+logprobs within 1e-3, and each rank holds its share of the weights, measured in the running
+workers (their logged resident bytes). The TP=2 server also runs the request-options matrix.
 
 Two CPU workers on a 2-core host need ``VLLM_CPU_OMP_THREADS_BIND="0|1"``.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-import os
 import re
 import time
 
 import pytest
 import requests
 import torch
+from request_options import Server, run_matrix
 from server_process import TWO_WORKERS, openai_server
 
 from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index
@@ -43,64 +43,87 @@ def _logprob_error(reference, prompts, per_prompt_logprobs) -> float:
 
 
 # ------------------------------------------------------------------ tensor parallel
+# One-rank settings of the reference runs (fp32, 512 tokens, seed 0) with two workers.
+FP32_ARGS = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+
+
+def _two_worker_server(checkpoint, tmp_path_factory, name: str, parallel: list[str]):
+    log_path = tmp_path_factory.mktemp(name) / "server.log"
+    with openai_server(checkpoint, FP32_ARGS + parallel, log_path, env=TWO_WORKERS) as url:
+        yield url, log_path
+
+
 @pytest.fixture(scope="module")
-def tp_llm(tiny_checkpoint):
-    from vllm import LLM
-
-    saved = {k: os.environ.get(k) for k in TWO_WORKERS}
-    os.environ.update(TWO_WORKERS)
-    engine = LLM(model=tiny_checkpoint, dtype="float32", max_model_len=512, seed=0, tensor_parallel_size=2)
-    yield engine
-    del engine
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def tp_server(tiny_checkpoint, tmp_path_factory):
+    yield from _two_worker_server(tiny_checkpoint, tmp_path_factory, "tp", ["--tensor-parallel-size", "2"])
 
 
-def test_tp2_greedy_and_logprobs_match_one_rank(tp_llm, acceptance_prompts, reference_greedy, tiny_reference):
-    from vllm import SamplingParams
+def _resident_report(log_path, parallel: str) -> dict[str, dict[str, dict[str, int]]]:
+    """Each worker's logged resident bytes: {rank: {component: {"resident", "checkpoint"}}}."""
+    lines = re.findall(
+        rf"weights resident on {parallel} \(expert group rank (\d)/2, [a-z ]+\): (.*)", log_path.read_text()
+    )
+    return {
+        rank: {
+            c: {"resident": int(r), "checkpoint": int(k)}
+            for c, r, k in re.findall(r"(\w+) (\d+) B \(checkpoint (\d+) B\)", rest)
+        }
+        for rank, rest in lines
+    }
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
-    outs = tp_llm.generate([{"prompt_token_ids": p} for p in acceptance_prompts], greedy)
+
+TP = pytest.mark.xdist_group("tp_server")
+DP = pytest.mark.xdist_group("dp_server")
+
+
+@TP
+def test_tp2_greedy_and_logprobs_match_one_rank(
+    tp_server, acceptance_prompts, reference_greedy, tiny_reference
+):
+    url, _ = tp_server
+    choices = [_complete(url, p) for p in acceptance_prompts]
     # One rank equals the reference token for token (test_llm_matches_reference).
-    assert [list(o.outputs[0].token_ids) for o in outs] == reference_greedy
+    assert [c["token_ids"] for c in choices] == reference_greedy
     worst = _logprob_error(
         tiny_reference,
         acceptance_prompts,
-        [lambda pos, tok, o=o: o.prompt_logprobs[pos][tok].logprob for o in outs],
+        [lambda pos, tok, c=c: c["prompt_logprobs"][pos][str(tok)]["logprob"] for c in choices],
     )
     print(f"TP=2 prompt logprobs: max |d| = {worst:.2e}")
     assert worst < 1e-3
 
 
-def test_tp2_each_rank_holds_half_the_split_weights(tp_llm, tiny_checkpoint):
+@TP
+def test_tp2_each_rank_holds_half_the_split_weights(tp_server, tiny_checkpoint):
     header = _header_bytes(tiny_checkpoint)
-    reports = tp_llm.collective_rpc("deepinfer_weight_bytes")
-    assert len(reports) == 2
-    for rows in reports:
+    reports = _resident_report(tp_server[1], r"tp \d/2 dp 0/1")
+    assert set(reports) == {"0", "1"}, reports
+    for rows in reports.values():
         # Experts (intermediate slices), Engram rows and the vocab shards: exactly half.
         for comp in ("experts", "engram", "embedding_head"):
             assert rows[comp]["resident"] * 2 == header[comp], (comp, rows[comp], header[comp])
         # Heads, output groups and the shared expert are split; the latent KV,
         # compressor, indexer, norms and mHC are replicated.
         assert rows["dense"]["resident"] < header["dense"]
-        assert rows["dspark"]["resident"] == rows["vision"]["resident"] == 0
+        assert (
+            "dspark" not in rows and "vision" not in rows
+        )  # components with no resident bytes are not logged
         assert rows["total"]["resident"] / rows["total"]["checkpoint"] <= 1.05
-    assert reports[0]["dense"] == reports[1]["dense"]
+    assert reports["0"]["dense"] == reports["1"]["dense"]
+
+
+@TP
+def test_request_options_tp2(tp_server):
+    outcomes = run_matrix(Server(tp_server[0]))
+    print(outcomes)
+    assert all(v == "answered" for v in outcomes.values()), outcomes
 
 
 # ------------------------------------------------------ data + expert parallel (server)
 @pytest.fixture(scope="module")
 def dp_server(tiny_checkpoint, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("dp") / "server.log"
-    args = [
-        "--served-model-name", "tiny", "--data-parallel-size", "2", "--enable-expert-parallel",
-        "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
-    ]
-    with openai_server(tiny_checkpoint, args, log_path, env=TWO_WORKERS) as url:
-        yield url, log_path
+    parallel = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+    yield from _two_worker_server(tiny_checkpoint, tmp_path_factory, "dp", parallel)
 
 
 def _complete(url: str, prompt: list[int]) -> dict:
@@ -118,6 +141,7 @@ def _complete(url: str, prompt: list[int]) -> dict:
     return r.json()["choices"][0]
 
 
+@DP
 def test_dp2_ep_server_greedy_and_logprobs_match_one_rank(
     dp_server, acceptance_prompts, reference_greedy, tiny_reference
 ):
@@ -147,6 +171,7 @@ def test_dp2_ep_server_greedy_and_logprobs_match_one_rank(
     assert served == {"000", "001"}, served
 
 
+@DP
 def test_dp2_ep_each_rank_holds_half_the_experts_and_engram(dp_server, tiny_checkpoint):
     _, log_path = dp_server
     header = _header_bytes(tiny_checkpoint)

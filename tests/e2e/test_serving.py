@@ -2,7 +2,8 @@
 example, forced tool calls and JSON answers that always validate, on random weights.
 
 One server on ``tiny`` with ``--reasoning-parser deepseek_v41 --tool-call-parser
-deepseek_v41 --enable-auto-tool-choice``. Random weights write strings forever, so the
+deepseek_v41 --enable-auto-tool-choice``: the README's (``readme_server``; the ``openai``
+example runs against it in ``test_readme.py``). Random weights write strings forever, so the
 schemas bound strings (``maxLength``) and numbers (``minimum``/``maximum``); requests
 get ``max_tokens`` room to finish, and every response is checked: it finishes
 (``finish_reason``), parses with a strict ``json.loads`` and passes ``jsonschema``.
@@ -13,29 +14,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import jsonschema
 import pytest
-from server_process import openai_server
+from readme import README_GROUP
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_client.py"
-SERVER_ARGS = [
-    "--served-model-name",
-    "tiny",
-    "--max-model-len",
-    "2048",
-    "--seed",
-    "0",
-    "--reasoning-parser",
-    "deepseek_v41",
-    "--tool-call-parser",
-    "deepseek_v41",
-    "--enable-auto-tool-choice",
-]
+pytestmark = pytest.mark.xdist_group(README_GROUP)
+
 ROOM = 512  # max_tokens: a constrained answer of these schemas is far shorter
 # Parallel calls: after each call the grammar lets the model end the list or call again, about
 # evenly on random weights, so the number of calls is geometric; this room makes a cut-off
@@ -144,10 +130,10 @@ JSON_SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("serving") / "server.log"
-    with openai_server(tiny_checkpoint, SERVER_ARGS, log_path) as url:
-        yield url, log_path
+def server(readme_server):
+    """The README's own server (tests/e2e/conftest.py): ``vllm serve build/tiny`` with the flags
+    above, started word for word from the README in a fresh shell."""
+    return readme_server
 
 
 @pytest.fixture(scope="module")
@@ -207,44 +193,6 @@ def _tool_request(client, choice, thinking: bool, stream: bool, seed: int):
         message.content or "",
         calls,
     )
-
-
-def test_openai_client_example_runs_against_the_server(server):
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE),
-            "--base-url",
-            f"{server[0]}/v1",
-            "--model",
-            "tiny",
-            "--max-tokens",
-            "16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    out = run.stdout
-    assert re.search(r"^chat: '.+'$", out, flags=re.M), out
-    assert re.search(r"^reasoning: '.+'$", out, flags=re.M), out  # thinking answer: reasoning apart
-    call = re.search(r"^tool call \(tool_calls\): get_weather (\{.*\})$", out, flags=re.M)
-    assert call, out
-    jsonschema.validate(
-        json.loads(call[1]),
-        SCHEMAS["get_weather"]
-        | {
-            "properties": {
-                "city": {"type": "string", "maxLength": 32},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    )
-    person = re.search(r"^json \(stop\): (\{.*\})$", out, flags=re.M)
-    assert person, out
-    assert set(json.loads(person[1])) == {"name", "age"}
 
 
 @pytest.mark.parametrize("thinking", [False, True], ids=["no_thinking", "thinking"])
@@ -450,5 +398,148 @@ def test_bad_schemas_are_400s_and_the_server_keeps_serving(server):
     }
     r = requests.post(url, json=ask | {"response_format": bad_json}, timeout=300)
     assert r.status_code == 400 and "maxLength" in r.json()["error"]["message"], r.text
+    r = requests.post(url, json=ask, timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+# -- Forced tool calls cut by max_tokens, and schema keywords the grammar cannot enforce ---------
+
+INVOKE_END = "</｜DSML｜ invoke>"
+CUT_ROOM = 200  # max_tokens: on `tiny` a forced call takes 60-140 tokens, so 200 cuts most outputs mid-call
+
+
+def _raw_text(tiny_checkpoint, token_ids) -> str:
+    """The DSML the model wrote (the server's ``return_token_ids``), decoded independently."""
+    return _checkpoint_tokenizer(tiny_checkpoint).decode(token_ids)
+
+
+_TOKENIZERS: dict = {}
+
+
+def _checkpoint_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+    return _TOKENIZERS[path]
+
+
+def _cut_request(server, seed: int, stream: bool):
+    """A forced call (``required``) with ``CUT_ROOM`` tokens, over plain HTTP with
+    ``return_token_ids``: (finish_reason, completion tokens, token ids, [(name, arguments)],
+    [(index, token ids streamed up to and with the delta naming that call)])."""
+    import requests
+
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Plan a trip: weather, sums and a search."}],
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": CUT_ROOM,
+        "temperature": 1.0,
+        "seed": seed,
+        "chat_template_kwargs": {"thinking": False},
+        "return_token_ids": True,
+    }
+    url = f"{server[0]}/v1/chat/completions"
+    if not stream:
+        r = requests.post(url, json=body, timeout=900)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        calls = [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in choice["message"].get("tool_calls") or []
+        ]
+        return choice["finish_reason"], r.json()["usage"]["completion_tokens"], choice["token_ids"], calls, []
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    finish, used, token_ids, calls, named = None, None, [], {}, []
+    with requests.post(url, json=body, timeout=900, stream=True) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines(decode_unicode=True):
+            if not line or not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("usage"):
+                used = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                token_ids += choice.get("token_ids") or []
+                for call in choice["delta"].get("tool_calls") or []:
+                    name, args = calls.get(call["index"], ("", ""))
+                    function = call.get("function") or {}
+                    calls[call["index"]] = (
+                        name + (function.get("name") or ""),
+                        args + (function.get("arguments") or ""),
+                    )
+                    named.append((call["index"], list(token_ids)))
+                finish = choice.get("finish_reason") or finish
+    return finish, used, token_ids, [calls[i] for i in sorted(calls)], named
+
+
+def test_forced_calls_cut_by_max_tokens_return_only_whole_calls(server, tiny_checkpoint):
+    """``max_tokens`` ends most of these forced calls mid-way. Checked against the DSML the
+    model wrote (``return_token_ids``, decoded here): the response lists exactly the calls
+    whose ``</｜DSML｜ invoke>`` was written, in order, each passing strict ``json.loads`` and
+    the tool schema; a cut output says ``length``; streamed, no delta names a call before its
+    end tag was streamed."""
+    cut = 0
+    for seed in (1, 2):
+        for stream in (False, True):
+            finish, used, token_ids, calls, named = _cut_request(server, seed, stream)
+            raw = _raw_text(tiny_checkpoint, token_ids)
+            where = f"seed={seed} stream={stream}: {finish} {used} {calls} {raw!r}"
+            assert len(token_ids) == used, where
+            closed = raw.count(INVOKE_END)
+            written = re.findall(r'<｜DSML｜ invoke name="([^"]+)">', raw)
+            assert [name for name, _ in calls] == written[:closed], where  # whole calls only, all of them
+            for name, arguments in calls:
+                jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+            complete = "</｜DSML｜ calls>" in raw  # the grammar ends the output there
+            assert finish == ("tool_calls" if complete else "length"), where
+            if not complete:
+                assert used == CUT_ROOM, where
+            cut += len(written) > closed
+            for index, streamed in named:  # held back until closed
+                assert _raw_text(tiny_checkpoint, streamed).count(INVOKE_END) > index, where
+            if stream:
+                assert len(named) == len(calls), where  # one delta per call, sent whole
+    assert cut, "no output was cut inside a call: raise the seeds or lower CUT_ROOM"
+
+
+def test_schema_keywords_the_grammar_cannot_enforce_are_400s(server):
+    """``uniqueItems`` and ``format`` + ``maxLength`` (xgrammar ignores both) in a
+    ``response_format`` and in a forced call's tool schema: a 400 naming the keyword and
+    its JSON path (and the tool), before any generation; the server keeps serving."""
+    import requests
+
+    url = f"{server[0]}/v1/chat/completions"
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 8,
+        "chat_template_kwargs": {"thinking": False},
+    }
+    unique = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+        "required": ["tags"],
+    }
+    email = {
+        "type": "object",
+        "properties": {"email": {"type": "string", "format": "email", "maxLength": 30}},
+        "required": ["email"],
+    }
+    for schema, keyword, path in [
+        (unique, "uniqueItems", "$.properties.tags"),
+        (email, "maxLength", "$.properties.email"),
+    ]:
+        response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+        r = requests.post(url, json=ask | {"response_format": response_format}, timeout=300)
+        assert r.status_code == 400 and f"`{keyword}` at {path}" in r.json()["error"]["message"], r.text
+        tool = {"type": "function", "function": {"name": "book", "parameters": schema}}
+        r = requests.post(url, json=ask | {"tools": [tool], "tool_choice": "required"}, timeout=300)
+        message = r.json()["error"]["message"] if r.status_code == 400 else r.text
+        assert r.status_code == 400 and "tool 'book'" in message and f"`{keyword}` at {path}" in message, (
+            r.text
+        )
     r = requests.post(url, json=ask, timeout=300)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

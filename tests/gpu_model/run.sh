@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU host, from the repository root, with build/gpu_carry carried (tests/gpu_model/carry.py):
 # unpack vLLM's sources and the missing wheels under /tmp, then run the model-class tests
-# (pytest arguments may name test files; default: all of tests/gpu_model), or with
+# (pytest arguments may name test files; default: all of tests/gpu_model, with
+# `-n 5 --dist loadgroup` unless the arguments set -n or --dist), or with
 # `--python SCRIPT ARGS...` a script in the same environment (e.g. sync_inventory.py).
 set -euo pipefail
 if [ ! -d /tmp/gpu_model_vllm/vllm ]; then
@@ -15,6 +16,15 @@ if [ "${1:-}" = "--python" ]; then
   exec python "$@"
 fi
 targets=()
-for a in "$@"; do [[ "$a" == tests/* ]] && targets+=("$a"); done
+workers=()
+for a in "$@"; do
+  [[ "$a" == tests/* ]] && targets+=("$a")
+  [[ "$a" == -n* || "$a" == --numprocesses* || "$a" == --dist* || "$a" == no:xdist ]] && workers+=("$a")
+done
 [ ${#targets[@]} -eq 0 ] && set -- tests/gpu_model "$@"
+# Default: 5 xdist workers, one per test group (the tests' xdist_group marks: a group shares its
+# reference outputs and compiled Triton kernels), each with a fifth of the cores (conftest.py).
+if [ ${#workers[@]} -eq 0 ] && python -c "import xdist" 2>/dev/null; then
+  set -- -n 5 --dist loadgroup "$@"
+fi
 python -m pytest -p no:cacheprovider "$@"

@@ -21,7 +21,9 @@ from v41_harness import PagedHarness
 
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 
-PRESETS = ["tiny", "small"]
+# One xdist group per preset (run.sh runs ``--dist loadgroup``): both tests of a preset share
+# the Triton kernels its first test compiles.
+PRESETS = [pytest.param(p, marks=pytest.mark.xdist_group(f"decode-{p}")) for p in ("tiny", "small")]
 
 
 @pytest.fixture(autouse=True)

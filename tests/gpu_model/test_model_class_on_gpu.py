@@ -6,7 +6,7 @@ tolerances printed and asserted below."""
 
 from __future__ import annotations
 
-import os
+import functools
 
 import pytest
 import torch
@@ -26,8 +26,25 @@ def kernels(request, monkeypatch):
     return request.param
 
 
-def _reference(checkpoint: str, dtype=torch.float32) -> ReferenceV41:
-    return ReferenceV41.from_pretrained(checkpoint, dtype=dtype, num_threads=min(16, os.cpu_count() or 1))
+# The reference and its outputs are built once per process and shared by the tests and
+# parametrisations that need them (its forwards are deterministic over the same rows): the
+# torch and triton runs of a preset compare against the same greedy tokens and logits. Its
+# intra-op threads are this process's share of the host's cores (conftest.py).
+@functools.cache
+def _reference(checkpoint: str, dtype: torch.dtype) -> ReferenceV41:
+    return ReferenceV41.from_pretrained(checkpoint, dtype=dtype, num_threads=torch.get_num_threads())
+
+
+@functools.cache
+def _reference_greedy(checkpoint: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    return tuple(_reference(checkpoint, torch.float32).greedy_generate(list(prompt), n))
+
+
+@functools.cache
+def _reference_logits(checkpoint: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The reference's logits (as fp32) of the interleaved schedule's prompts, one forward each."""
+    reference = _reference(checkpoint, dtype)
+    return {rid: reference.forward(p).float() for rid, p in prompts().items()}
 
 
 def _used(harness: PagedHarness) -> list[str]:
@@ -43,17 +60,20 @@ def _greedy(harness: PagedHarness, rid: str, prompt: list[int], n: int) -> list[
     return out
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small"])
+# xdist groups (run.sh runs ``--dist loadgroup``): the tests sharing a reference and the
+# Triton kernels compiled for one dtype and preset run in one worker.
+@pytest.mark.parametrize(
+    "preset", [pytest.param(p, marks=pytest.mark.xdist_group(f"fp32-{p}")) for p in ("tiny", "small")]
+)
 def test_fp32_greedy_tokens_equal_the_reference(preset, kernels, request):
     checkpoint = request.getfixturevalue(f"{preset}_checkpoint")
     harness = PagedHarness(checkpoint, dtype="float32", device="cuda")
     assert next(harness.model.parameters()).device.type == "cuda"
-    reference = _reference(checkpoint)
     g = torch.Generator().manual_seed(0)
     for n in PROMPT_LENS:
         prompt = torch.randint(3, 120000, (n,), generator=g).tolist()
-        assert _greedy(harness, f"r{n}", prompt, NEW_TOKENS) == reference.greedy_generate(
-            prompt, NEW_TOKENS
+        assert _greedy(harness, f"r{n}", prompt, NEW_TOKENS) == list(
+            _reference_greedy(checkpoint, tuple(prompt), NEW_TOKENS)
         ), n
     assert _used(harness) == [kernels]
 
@@ -89,9 +109,10 @@ def _agreement(got: dict[str, torch.Tensor], reference) -> tuple[float, torch.Te
     return torch.cat(rows).mean().item(), torch.cat(cos), worst
 
 
+@pytest.mark.xdist_group("fp32-tiny")
 def test_fp32_interleaved_chunks_agree_with_the_reference(tiny_checkpoint, kernels):
     got = _interleaved(PagedHarness(tiny_checkpoint, dtype="float32", device="cuda"))
-    agree, cos, worst = _agreement(got, _reference(tiny_checkpoint))
+    agree, cos, worst = _agreement(got, _reference_logits(tiny_checkpoint, torch.float32))
     print(f"{kernels}: argmax agreement {agree:.3f}, cosine min {cos.min():.6f}, max |dlogit| {worst:.2e}")
     # The CPU interpreter test's criteria: behind FP8/FP4 caches, CUDA's and the CPU's last-ulp
     # differences (transcendentals, summation order) can flip a quantisation bin, so agreement
@@ -100,16 +121,14 @@ def test_fp32_interleaved_chunks_agree_with_the_reference(tiny_checkpoint, kerne
     assert cos.median() >= 0.9999 and (cos >= 0.99).float().mean() >= 0.95
 
 
+@pytest.mark.xdist_group("bf16-tiny")
 def test_bf16_interleaved_chunks_are_as_close_to_fp32_as_the_bf16_reference(tiny_checkpoint, kernels):
     """bf16 rounds differently on the GPU (cuBLAS, CUDA's transcendentals) than on the CPU, and
     behind FP8/FP4 caches the tiny random model amplifies any rounding change, so the GPU's
     bf16 logits are judged by their distance to the fp32 reference, against the distance of
     the CPU's own bf16 reference to it (the size of bf16's error on this model)."""
-    fp32 = {rid: _reference(tiny_checkpoint).forward(p).float() for rid, p in prompts().items()}
-    base_agree, base_cos, _ = _agreement(
-        {rid: _reference(tiny_checkpoint, torch.bfloat16).forward(p).float() for rid, p in prompts().items()},
-        fp32,
-    )
+    fp32 = _reference_logits(tiny_checkpoint, torch.float32)
+    base_agree, base_cos, _ = _agreement(_reference_logits(tiny_checkpoint, torch.bfloat16), fp32)
     got = _interleaved(PagedHarness(tiny_checkpoint, dtype="bfloat16", device="cuda"))
     agree, cos, worst = _agreement(got, fp32)
     print(

@@ -7,6 +7,8 @@ These run the model in-process (``v41_harness``), without the engine.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -107,15 +109,43 @@ def test_malformed_checkpoint_names_the_tensor(tiny_checkpoint, tmp_path):
     assert "layers.0.attn.wq_a.scale" in str(err.value)
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_bf16_whole_prefill_equals_reference(tiny_checkpoint):
-    """bf16 (the default dtype): same rows in one call give the reference's bits; this
-    also guards against parameters built under vLLM's bf16 default dtype."""
+    """bf16 (the default dtype): the same rows in one call give the reference's bits when both
+    run at the same thread count; this also guards against parameters built under vLLM's bf16
+    default dtype.
+
+    The condition is the thread count: bf16's fp32 islands go through MKL's sgemm, whose
+    summation order depends on the number of threads on Intel hosts (on an Intel Xeon with
+    AMX and AVX-512, 2026-12: 2 threads moved rows 11 and 35-47 of 48 by up to 1.6 in a logit,
+    16 threads row 11 by 5e-4, 1 thread gave the reference's bits, with oneDNN on or off; on
+    AMD hosts (AVX2) every thread count gave them). The reference runs with one thread, so the
+    model does here too. Across thread counts the agreement is stated below."""
     from deepinfer_vllm.reference.model import ReferenceV41
 
     harness = PagedHarness(tiny_checkpoint, dtype="bfloat16")
     ref = ReferenceV41.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16, num_threads=1)
     prompt = _prompt(48, 7)
-    assert torch.equal(harness.step([("bf16", prompt)]), ref.forward(prompt))
+    want = ref.forward(prompt)
+    with _threads(1):
+        assert torch.equal(harness.step([("bf16", prompt)]), want)
+    # At two threads (this project's hosts have two cores), rows may leave the reference's bits
+    # behind an FP8/FP4 bin flip (14 of 48 rows on the Xeon); the argmax of most rows holds
+    # (1.000 measured on the AMD host; not measured on the Xeon).
+    with _threads(2):
+        other = harness.step([("bf16-2", prompt)])
+    agree = (other.argmax(-1) == want.argmax(-1)).float().mean().item()
+    print(f"bf16, 2 threads vs the 1-thread reference: argmax agreement {agree:.3f}")
+    assert agree >= 0.75
 
 
 def test_bf16_chunked_prefill_agrees_with_whole_prefill(tiny_checkpoint):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 import pytest
@@ -57,8 +59,14 @@ def test_sparse_selector_routes_v41_to_our_backend():
     [
         (dict(tensor_parallel_size=3), "tensor parallel size \\(3\\)"),  # vLLM's own head check
         (dict(pipeline_parallel_size=2), "Pipeline parallelism is not supported"),
-        (dict(data_parallel_size=3, enable_expert_parallel=True), "data_parallel_size=3 .* n_routed_experts=8"),
-        (dict(tensor_parallel_size=2, data_parallel_size=2), "moe_intermediate_size=64 .* enable_expert_parallel"),
+        (
+            dict(data_parallel_size=3, enable_expert_parallel=True),
+            "data_parallel_size=3 .* n_routed_experts=8",
+        ),
+        (
+            dict(tensor_parallel_size=2, data_parallel_size=2),
+            "moe_intermediate_size=64 .* enable_expert_parallel",
+        ),
     ],
 )
 def test_parallel_settings_v41_cannot_split_are_refused_by_name(tiny_checkpoint, settings, names):
@@ -91,7 +99,12 @@ def test_parallel_rules():
     lay = ParallelLayout(tp_size=8, tp_rank=3)
     assert lay.local_experts(384) == range(384) and lay.expert_inter(2304) == (864, 288)
     # Engram rows: ceil(rows / ranks) each, the remainder last.
-    assert [ParallelLayout(tp_size=4, tp_rank=r).engram_rows(10) for r in range(4)] == [(0, 3), (3, 3), (6, 3), (9, 1)]
+    assert [ParallelLayout(tp_size=4, tp_rank=r).engram_rows(10) for r in range(4)] == [
+        (0, 3),
+        (3, 3),
+        (6, 3),
+        (9, 1),
+    ]
 
 
 def test_expand_kernel_fix_keeps_float_values():
@@ -107,3 +120,98 @@ def test_expand_kernel_fix_keeps_float_values():
     ints = torch.zeros(3, dtype=torch.int64)
     expand_batch_values(ints, torch.tensor([4, 9]), torch.tensor([1, 3]), 0, 0)
     assert ints.tolist() == [4, 9, 9]
+
+
+@contextlib.contextmanager
+def _platform_log():
+    """The CPU platform's log lines (vLLM's logging config does not propagate them to caplog)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("deepinfer_vllm.platforms.cpu")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def _v41_config(tiny_checkpoint, monkeypatch, **settings):
+    from vllm.engine.arg_utils import EngineArgs
+
+    import deepinfer_vllm
+
+    deepinfer_vllm.register()
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    return EngineArgs(model=tiny_checkpoint, max_model_len=1024, **settings).create_engine_config()
+
+
+def test_kv_cache_without_vllm_cpu_kvcache_space_fits_free_memory(tiny_checkpoint, monkeypatch):
+    """vLLM's CPU default asks for gpu_memory_utilization of the host's total memory and stops
+    when less is free; for V4.1 the platform sizes each worker's cache from free memory."""
+    from pathlib import Path
+
+    from deepinfer_vllm.platforms.cpu import (
+        CPU_WORKER_RESERVE,
+        GIB,
+        _full_occupancy_bytes,
+        choose_kv_cache_bytes,
+    )
+
+    with _platform_log() as log:
+        cfg = _v41_config(tiny_checkpoint, monkeypatch)
+    chosen = cfg.cache_config.kv_cache_memory_bytes
+    assert chosen is not None and chosen > 0
+    assert any("VLLM_CPU_KVCACHE_SPACE is unset, so each of 1 worker(s) gets a" in line for line in log), log
+    # The cap: every sequence at full length. On tiny that is below the free-memory share.
+    full = _full_occupancy_bytes(cfg)
+    assert chosen == full == pytest.approx(128 * 1024 * _tiny_bytes_per_token(cfg), rel=1e-6)
+    # The free-memory share: (free x utilisation - weights) / workers - reserve.
+    weights = sum(f.stat().st_size for f in Path(tiny_checkpoint).glob("*.safetensors"))
+    small_host = int((0.8 * full + CPU_WORKER_RESERVE + weights) / cfg.cache_config.gpu_memory_utilization)
+    share = int(small_host * cfg.cache_config.gpu_memory_utilization) - weights - CPU_WORKER_RESERVE
+    assert share < full
+    assert choose_kv_cache_bytes(cfg, available=small_host) == cfg.cache_config.kv_cache_memory_bytes == share
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE"):
+        choose_kv_cache_bytes(cfg, available=2 * GIB)
+
+
+def _tiny_bytes_per_token(cfg) -> float:
+    from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches
+    from deepinfer_vllm.configs import V41Arch
+
+    per = bytes_per_token(model_caches(V41Arch.from_config(cfg.model_config.hf_config)), 64)
+    return per["window"] + per["compressed"] + per["index"] + per.get("tokens", 0.0)
+
+
+def test_kv_cache_space_set_is_left_to_vllm(tiny_checkpoint, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    cfg = EngineArgs(model=tiny_checkpoint, max_model_len=1024).create_engine_config()
+    assert cfg.cache_config.kv_cache_memory_bytes == 3 << 30
+
+
+def test_restored_settings_are_explained_only_where_vllm_turned_them_off(tiny_checkpoint, monkeypatch):
+    """vLLM's CPU platform forces chunked prefill and prefix caching off for MLA models except on
+    hosts with AMX tiles; the platform's note on that line follows what vLLM did on this host."""
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+
+    from deepinfer_vllm.platforms.cpu import DeepInferCpuPlatform
+
+    for amx in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        monkeypatch.setattr(
+            CpuPlatform,
+            "get_cpu_architecture",
+            classmethod(
+                lambda cls: __import__("vllm.platforms.interface", fromlist=["CpuArchEnum"]).CpuArchEnum.X86
+            ),
+        )
+        monkeypatch.setattr(DeepInferCpuPlatform, "_explained", False)
+        with _platform_log() as log:
+            cfg = _v41_config(tiny_checkpoint, monkeypatch)
+        assert cfg.scheduler_config.enable_chunked_prefill and cfg.cache_config.enable_prefix_caching
+        assert any("DeepInfer V4.1 on CPU: block_size=64" in line for line in log), log
+        assert any("supports both, so they are restored" in line for line in log) is (not amx), (amx, log)

@@ -54,8 +54,10 @@ def torch_npu_installed() -> bool:
         return False
 
 
-class _NullStream:
-    """A stream whose work is already done (host execution)."""
+class NullStream:
+    """A stream whose work is already done (host execution): the simulated NPU's
+    ``torch.cuda.Stream``. A class, as the real one is: vLLM's compiled code and
+    dynamo test values with ``isinstance`` against the names they patch."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.device = None
@@ -70,10 +72,13 @@ class _NullStream:
         pass
 
     def record_event(self, event=None):
-        return event if event is not None else _NullEvent()
+        return event if event is not None else NullEvent()
 
 
-class _NullEvent:
+class NullEvent:
+    """An event that has always happened: the simulated NPU's ``torch.cuda.Event`` and
+    ``torch.Event`` (torch's CPU backend has no events: ``torch.Event().record()`` raises)."""
+
     def __init__(self, *args, **kwargs) -> None:
         pass
 
@@ -168,11 +173,15 @@ class TorchNPU:
     def manual_seed_all(self, seed: int) -> None:
         self._npu.manual_seed_all(seed)
 
-    def Stream(self, *args, **kwargs):  # noqa: N802 (mirrors torch.cuda.Stream)
-        return self._npu.Stream(*args, **kwargs)
+    @property
+    def Stream(self) -> type:  # noqa: N802 (mirrors torch.cuda.Stream)
+        """This device's stream class (``torch_npu.npu.Stream``)."""
+        return self._npu.Stream
 
-    def Event(self, *args, **kwargs):  # noqa: N802
-        return self._npu.Event(*args, **kwargs)
+    @property
+    def Event(self) -> type:  # noqa: N802
+        """This device's event class (``torch_npu.npu.Event``)."""
+        return self._npu.Event
 
     def current_stream(self, device=None):
         return self._npu.current_stream(device)
@@ -180,23 +189,31 @@ class TorchNPU:
     def stream(self, stream):
         return self._npu.stream(stream)
 
-    @contextlib.contextmanager
-    def torch_api(self):
-        """Inside, the device calls vLLM's GPU runner makes by name are this device's:
-        ``torch.cuda``'s streams and events (``Stream``, ``Event``, ``current_stream``,
-        ``stream``), ``torch.Event``, and ``torch.accelerator``'s ``synchronize`` and
-        ``empty_cache``. The NPU worker holds it for its process's lifetime."""
+    def torch_patches(self) -> dict:
+        """``(owner, name) -> replacement`` for the device calls vLLM's GPU runner makes by
+        name: ``torch.cuda``'s ``Stream``, ``Event``, ``current_stream`` and ``stream``, and
+        ``torch.accelerator``'s ``synchronize`` and ``empty_cache``. ``Stream`` and
+        ``Event`` are replaced by classes, never by functions: code that dynamo compiles
+        (vLLM's sampler) tests values with ``isinstance`` against these names, and a
+        function there kills the step (``isinstance() arg 2 must be a type``).
+        ``torch.Event`` stays torch's own: it is device-generic and, with ``torch_npu``
+        loaded, records on the NPU."""
         import torch
 
-        patches = {
+        return {
             (torch.cuda, "Stream"): self.Stream,
             (torch.cuda, "Event"): self.Event,
             (torch.cuda, "current_stream"): self.current_stream,
             (torch.cuda, "stream"): self.stream,
-            (torch, "Event"): self.Event,
             (torch.accelerator, "synchronize"): self.synchronize,
             (torch.accelerator, "empty_cache"): self.empty_cache,
         }
+
+    @contextlib.contextmanager
+    def torch_api(self):
+        """Inside, the device calls vLLM's GPU runner makes by name are this device's
+        (``torch_patches``). The NPU worker holds it for its process's lifetime."""
+        patches = self.torch_patches()
         saved = {key: getattr(*key) for key in patches}
         for (owner, name), value in patches.items():
             setattr(owner, name, value)
@@ -285,14 +302,17 @@ class SimulatedNPU(TorchNPU):
     def manual_seed_all(self, seed: int) -> None:
         pass  # torch.manual_seed covers the host generator
 
-    def Stream(self, *args, **kwargs):  # noqa: N802
-        return _NullStream()
-
-    def Event(self, *args, **kwargs):  # noqa: N802
-        return _NullEvent()
+    Stream = NullStream
+    Event = NullEvent
 
     def current_stream(self, device=None):
-        return _NullStream()
+        return NullStream()
+
+    def torch_patches(self) -> dict:
+        """The real device's patches, plus ``torch.Event``: host tensors have no events."""
+        import torch
+
+        return {**super().torch_patches(), (torch, "Event"): NullEvent}
 
     def stream(self, stream):
         return contextlib.nullcontext(stream)

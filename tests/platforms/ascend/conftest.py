@@ -39,8 +39,8 @@ def make_torch_npu(soc: str = "Ascend950PR", count: int = 8, total: int = 128 <<
         set_device=record("set_device"),
         synchronize=record("synchronize"),
         manual_seed_all=record("manual_seed_all"),
-        Stream=lambda *a, **k: ("stream", a),
-        Event=lambda *a, **k: ("event", a),
+        Stream=type("Stream", (), {"__init__": lambda self, *a, **k: setattr(self, "args", a)}),
+        Event=type("Event", (), {"__init__": lambda self, *a, **k: setattr(self, "args", a)}),
         current_stream=lambda d=None: "current",
         stream=lambda s: s,
     )

@@ -189,14 +189,48 @@ def test_torch_api_points_vllms_device_calls_at_the_npu(npu_host):
     stub = sys.modules["torch_npu"]
     before = (torch.cuda.Stream, torch.cuda.Event, torch.Event, torch.accelerator.synchronize)
     with npu.get().torch_api():
-        assert torch.cuda.Stream() == ("stream", ())
-        assert torch.cuda.Event(blocking=True) == ("event", ()) and torch.Event() == ("event", ())
+        assert torch.cuda.Stream is stub.npu.Stream and torch.cuda.Event is stub.npu.Event
+        assert torch.cuda.Event(blocking=True).args == () and torch.cuda.Stream(3).args == (3,)
+        assert torch.Event is before[2]  # device-generic: records on the NPU once torch_npu is loaded
         assert torch.cuda.current_stream() == "current"
         assert torch.cuda.stream("s") == "s"
         torch.accelerator.synchronize()
         torch.accelerator.empty_cache()
     assert [name for name, _ in stub.calls] == ["synchronize", "empty_cache"]
     assert (torch.cuda.Stream, torch.cuda.Event, torch.Event, torch.accelerator.synchronize) == before
+
+
+@pytest.mark.parametrize("simulated", [False, True])
+def test_torch_api_replaces_classes_with_classes(npu_host, monkeypatch, simulated):
+    """dynamo tests values with ``isinstance(value, torch.Event)`` (and the ``torch.cuda``
+    classes): a replacement that is not a type killed the simulated NPU's engine on its
+    first ``prompt_logprobs`` request, in vLLM's compiled ``batched_count_greater_than``."""
+    import torch
+
+    if simulated:
+        monkeypatch.setenv("DEEPINFER_SIMULATED_NPU", "1")
+    layer = npu.get()
+    assert layer.simulated is simulated
+    with layer.torch_api():
+        for owner, name in ((torch.cuda, "Stream"), (torch.cuda, "Event"), (torch, "Event")):
+            assert isinstance(getattr(owner, name), type), f"{owner.__name__}.{name}"
+        if simulated:  # host tensors: the null event stands in for torch's CPU-less events
+            event = torch.Event()
+            event.record()
+            assert event.query()
+
+
+def test_vllms_compiled_sampler_op_runs_inside_the_simulated_torch_api(npu_host, monkeypatch):
+    import torch
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    monkeypatch.setenv("DEEPINFER_SIMULATED_NPU", "1")
+    x = torch.tensor([[0.1, 0.5, 0.3], [0.9, 0.2, 0.4]])
+    values = torch.tensor([[0.3], [0.4]])
+    with npu.get().torch_api():
+        torch._dynamo.reset()
+        got = batched_count_greater_than(x, values)
+    assert got.tolist() == [2, 2]  # ranks: elements >= the value, the value included
 
 
 def _worker(**cache):

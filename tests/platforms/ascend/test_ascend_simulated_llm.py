@@ -17,6 +17,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # the shared server helpers
+from request_options import Server, run_matrix  # noqa: E402
+from server_process import openai_server  # noqa: E402
 
 SCRIPT = textwrap.dedent(
     """
@@ -94,6 +102,7 @@ def _run(checkpoint, prompts, tmp_path, drop_copies=False, **extra) -> tuple[dic
     return result, log
 
 
+@pytest.mark.xdist_group("test_simulated_npu_engine_matches_reference")  # one engine each: side by side
 def test_simulated_npu_engine_matches_reference(tiny_checkpoint, acceptance_prompts, reference_greedy, tmp_path):
     result, log = _run(tiny_checkpoint, acceptance_prompts, tmp_path)
     assert result["batched"] == reference_greedy
@@ -104,6 +113,7 @@ def test_simulated_npu_engine_matches_reference(tiny_checkpoint, acceptance_prom
     assert "dspark=off" in log
 
 
+@pytest.mark.xdist_group("test_simulated_npu_dspark_is_lossless")  # one engine each: side by side
 def test_simulated_npu_dspark_is_lossless(tiny_dspark_checkpoint, acceptance_prompts, reference_greedy, tmp_path):
     """DSpark (k=3, adaptive verification) driven by the NPU runner as on CPU: the target's tokens."""
     result, log = _run(
@@ -117,6 +127,7 @@ def test_simulated_npu_dspark_is_lossless(tiny_dspark_checkpoint, acceptance_pro
     assert "dspark=k=3 adaptive=True" in log
 
 
+@pytest.mark.xdist_group("test_simulated_npu_catches_a_missing_host_to_device_copy")  # one engine each: side by side
 def test_simulated_npu_catches_a_missing_host_to_device_copy(
     tiny_checkpoint, acceptance_prompts, reference_greedy, tmp_path
 ):
@@ -125,3 +136,47 @@ def test_simulated_npu_catches_a_missing_host_to_device_copy(
     buffers are its host buffers, the same change would go unnoticed)."""
     result, _ = _run(tiny_checkpoint, acceptance_prompts, tmp_path, drop_copies=True)
     assert result["batched"] != reference_greedy
+
+
+# ------------------------------------------------------------- the OpenAI server on it
+@pytest.fixture(scope="module")
+def npu_server(tiny_checkpoint, tmp_path_factory):
+    """``vllm serve``'s server on the simulated NPU (fp32, chunked prefill in 32-token chunks)."""
+    log_path = tmp_path_factory.mktemp("npu_server") / "server.log"
+    args = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
+            "--max-num-batched-tokens", "32"]
+    env = {"DEEPINFER_SIMULATED_NPU": "1", "DEEPINFER_PLATFORM": "auto"}
+    with openai_server(tiny_checkpoint, args, log_path, env=env) as url:
+        yield url, log_path
+
+
+@pytest.mark.xdist_group("npu_server")
+def test_simulated_npu_server_prompt_logprobs_equal_the_reference(
+    npu_server, tiny_reference, acceptance_prompts, reference_greedy
+):
+    """The request that once killed this engine (dynamo in vLLM's compiled sampler op met a
+    ``torch.Event`` that was not a type): greedy tokens and prompt logprobs as the reference's."""
+    import torch
+
+    url, log_path = npu_server
+    for prompt, want in zip(acceptance_prompts, reference_greedy):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                "prompt_logprobs": 1, "return_token_ids": True}
+        r = requests.post(f"{url}/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, r.text[:2000]
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == want
+        ref = torch.log_softmax(tiny_reference.forward(prompt).double(), dim=-1)
+        worst = max(
+            abs(choice["prompt_logprobs"][pos][str(prompt[pos])]["logprob"] - ref[pos - 1, prompt[pos]].item())
+            for pos in range(1, len(prompt))
+        )
+        assert worst < 1e-4, worst
+    assert "DeepInfer's Ascend platform runs on Ascend950PR (simulated)" in log_path.read_text()
+
+
+@pytest.mark.xdist_group("npu_server")
+def test_request_options_simulated_npu(npu_server):
+    outcomes = run_matrix(Server(npu_server[0]))
+    print(outcomes)
+    assert all(v == "answered" for v in outcomes.values()), outcomes

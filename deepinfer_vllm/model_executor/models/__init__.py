@@ -1,0 +1,1 @@
+"""vLLM model classes: ``DeepseekV41ForCausalLM`` (registered lazily by ``deepinfer_vllm.register``)."""
