@@ -25,7 +25,9 @@ setup(
         # Ascend 950: torch-npu 2.13.0rc1 requires torch==2.13.0 (vLLM 0.32's torch);
         # CANN (9.2) comes from the vendor's channel.
         "ascend": ["vllm==0.32.*", "torch==2.13.0", "torch-npu==2.13.0rc1"],
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "requests"],
+        # pytest 9 keeps node ids where pytest-xdist 3.8's loadgroup cannot tag them (its
+        # groups are then ignored and a shared server starts in every worker): pytest 8.
+        "test": ["pytest>=8,<9", "pytest-timeout", "pytest-xdist>=3.8", "requests"],
     },
     entry_points={
         "vllm.general_plugins": ["deepinfer_vllm = deepinfer_vllm:register"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 import pytest
@@ -83,25 +85,68 @@ if _WORKER and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     _cores = sorted(os.sched_getaffinity(0))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_WORKER.removeprefix("gw")) % len(_cores)])
 
-# The longest groups start first, so that neither worker is left with a long one at the end
-# (measured: the installed-wheel module, then the DSpark and simulated-NPU engines).
+# The longest groups start first (`make test` keeps this order: --no-loadscope-reorder), so
+# that neither worker is left with a long one at the end: the first DSpark engine (it waits for
+# the tiny-dspark checkpoint, whose draft training takes about 6 minutes), the installed wheel
+# (a fresh environment, about 7 minutes), the README's server, then every other engine.
 FIRST = (
+    "dspark-k1",
     "tests/e2e/test_installed_wheel.py",
-    "tests/e2e/test_serving.py",
-    "tests/e2e/test_readme.py",
-    "tests/e2e/test_dspark",
-    "tests/platforms/ascend/test_ascend_simulated_llm.py",
+    "readme_server",
+    "dspark-",
+    "test_simulated_npu",
+    "npu_server",
     "tests/e2e/",
 )
 
 
+def _group(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark.args else mark.kwargs["name"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
     def rank(item) -> int:
-        path = item.nodeid.split("::")[0]
-        return next((i for i, prefix in enumerate(FIRST) if path.startswith(prefix)), len(FIRST))
+        group = _group(item)
+        return next((i for i, prefix in enumerate(FIRST) if group.startswith(prefix)), len(FIRST))
 
     items.sort(key=rank)  # stable: the order within a rank is pytest's
+
+
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup`, every test must carry its group in its node id (pytest-xdist tags
+    it there); untagged, the groups are ignored and module engines and shared servers start in
+    every worker (pytest 9 with pytest-xdist 3.8 did that)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup"):
+        untagged = [item.nodeid for item in session.items if "@" not in item.nodeid]
+        if untagged:
+            raise pytest.UsageError(f"pytest-xdist did not tag {len(untagged)} tests with their group, e.g. {untagged[0]}")
+
+
+@pytest.fixture
+def log_lines():
+    """``with log_lines(name) as lines:`` collects the messages of logger ``name`` (and its
+    children) at INFO and above through a handler of its own: pytest's caplog stops receiving
+    them in a process that has already built a vLLM model in-process."""
+
+    @contextlib.contextmanager
+    def capture(name: str):
+        lines: list[str] = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = lambda record: lines.append(record.getMessage())
+        target = logging.getLogger(name)
+        level = target.level
+        target.addHandler(handler)
+        target.setLevel(logging.INFO)
+        try:
+            yield lines
+        finally:
+            target.removeHandler(handler)
+            target.setLevel(level)
+
+    return capture

@@ -161,3 +161,40 @@ def test_cpu_expand_kernel_fallback_still_needs_our_fix():
     from vllm.utils import cpu_triton_utils
 
     assert "_ensure_int64(output)" in inspect.getsource(cpu_triton_utils._expand_kernel_impl)
+
+
+def test_tool_parser_engine_internals():
+    """``entrypoints/tool_parser.py`` (only whole tool calls) subclasses vLLM's V4.1 parser engine:
+    it filters the events of ``StreamingParserEngine.finish``, records ends in
+    ``_handle_tool_end``, extracts from ``_tool_slots`` through
+    ``ParserEngine._build_extracted_result``, and rebuilds ``_events_to_delta``'s tool calls."""
+    import inspect
+
+    from vllm.parser.deepseek_v41 import DSML_INVOKE_PREFIX, DSML_TOOL_START, DeepSeekV41Parser
+    from vllm.parser.engine.events import EventType
+    from vllm.parser.engine.parser_engine import ParserEngine, ToolCallSlot
+    from vllm.parser.engine.parser_engine_config import ParserState
+    from vllm.parser.engine.streaming_parser_engine import StreamingParserEngine
+    from vllm.tool_parsers.deepseekv41_engine_tool_parser import DeepSeekV41EngineToolParser
+
+    assert {"TOOL_NAME", "TOOL_ARGS"} <= set(ParserState.__members__)
+    assert {"TOOL_CALL_END", "TEXT_CHUNK"} <= set(EventType.__members__)
+    assert DSML_TOOL_START.startswith("<｜DSML｜") and DSML_INVOKE_PREFIX.startswith("<｜DSML｜")
+    assert callable(StreamingParserEngine.finish) and ToolCallSlot() is not None
+    for name in ("_handle_tool_end", "_build_extracted_result", "_events_to_delta", "_reset"):
+        assert hasattr(DeepSeekV41Parser, name), name
+    assert list(inspect.signature(ParserEngine._build_extracted_result).parameters)[0] == "self"
+    assert DeepSeekV41EngineToolParser._parser_engine_cls is not None
+
+
+def test_structured_output_validation_hook():
+    """``entrypoints/structured_outputs.py`` wraps ``SamplingParams._validate_structured_outputs``
+    (the front end's check) and pins ``_backend`` to xgrammar for V4.1."""
+    import inspect
+
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    params = list(inspect.signature(SamplingParams._validate_structured_outputs).parameters)
+    assert params == ["self", "model_config", "structured_outputs_config", "tokenizer"], params
+    fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+    assert {"json", "structural_tag", "_backend", "_backend_was_auto"} <= fields, fields

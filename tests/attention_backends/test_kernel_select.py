@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import pytest
@@ -17,12 +16,12 @@ def fresh_log(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def test_cpu_defaults_to_the_reference_and_logs_once(monkeypatch, caplog):
+def test_cpu_defaults_to_the_reference_and_logs_once(monkeypatch, log_lines):
     monkeypatch.delenv("DEEPINFER_ATTENTION_KERNELS", raising=False)
-    with caplog.at_level(logging.INFO, logger=kernel_select.__name__):
+    with log_lines(kernel_select.__name__) as logged:
         assert kernel_select.choose_attention_kernels(torch.device("cpu")) == "torch"
         assert kernel_select.choose_attention_kernels(torch.device("cpu")) == "torch"
-    lines = [r.getMessage() for r in caplog.records if "attention kernels" in r.getMessage()]
+    lines = [m for m in logged if "attention kernels" in m]
     assert lines == ["DeepInfer V4.1 attention kernels: torch (cpu device)"]
 
 
@@ -46,12 +45,12 @@ def test_vendor_libraries_are_only_reported_when_importable(monkeypatch):
     assert kernel_select.vendor_libraries() == ["deep_select"]
 
 
-def test_gemm_kernels_follow_device_dtype_and_batch_invariance(monkeypatch, caplog):
+def test_gemm_kernels_follow_device_dtype_and_batch_invariance(monkeypatch, log_lines):
     for name in ("DEEPINFER_GEMM_KERNELS", "DEEPINFER_BATCH_INVARIANT"):
         monkeypatch.delenv(name, raising=False)
-    with caplog.at_level(logging.INFO, logger=kernel_select.__name__):
+    with log_lines(kernel_select.__name__) as logged:
         assert kernel_select.choose_gemm_kernels(torch.device("cpu"), torch.bfloat16) == "torch"
-    assert [r.getMessage() for r in caplog.records if "GEMM" in r.getMessage()] == [
+    assert [m for m in logged if "GEMM" in m] == [
         "DeepInfer V4.1 GEMM kernels: torch (cpu device, bfloat16)"
     ]
     monkeypatch.setenv("DEEPINFER_GEMM_KERNELS", "triton")
@@ -74,12 +73,12 @@ def test_gemm_kernels_follow_device_dtype_and_batch_invariance(monkeypatch, capl
         kernel_select.choose_gemm_kernels(cuda, torch.bfloat16)
 
 
-def test_fused_kernels_follow_device_and_dtype(monkeypatch, caplog):
+def test_fused_kernels_follow_device_and_dtype(monkeypatch, log_lines):
     monkeypatch.delenv("DEEPINFER_FUSED_KERNELS", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with caplog.at_level(logging.INFO, logger=kernel_select.__name__):
+    with log_lines(kernel_select.__name__) as logged:
         assert kernel_select.choose_fused_kernels(torch.device("cpu"), torch.bfloat16) == "torch"
-    assert [r.getMessage() for r in caplog.records if "fused" in r.getMessage()] == [
+    assert [m for m in logged if "fused" in m] == [
         "DeepInfer V4.1 fused kernels: torch (cpu device, bfloat16)"
     ]
     monkeypatch.setenv("DEEPINFER_FUSED_KERNELS", "triton")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import requests
 from readme import ROOT, as_script, fresh_shell_env, section_blocks
 from server_process import stop, wait_healthy
 
@@ -35,6 +36,11 @@ def readme_server(tmp_path_factory):
             check=True,
             capture_output=True,
         )
+    try:  # vLLM binds with SO_REUSEPORT: a second server on the port would share its requests
+        requests.get(f"{README_URL}/health", timeout=2)
+        raise RuntimeError(f"something already serves {README_URL}: the README's server needs that port")
+    except requests.ConnectionError:
+        pass
     serve = section_blocks("Serving")[0]
     log_path = tmp_path_factory.mktemp("readme_server") / "server.log"
     with open(log_path, "w") as log:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 
 import pytest
@@ -122,20 +120,6 @@ def test_expand_kernel_fix_keeps_float_values():
     assert ints.tolist() == [4, 9, 9]
 
 
-@contextlib.contextmanager
-def _platform_log():
-    """The CPU platform's log lines (vLLM's logging config does not propagate them to caplog)."""
-    records: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("deepinfer_vllm.platforms.cpu")
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-
-
 def _v41_config(tiny_checkpoint, monkeypatch, **settings):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -146,7 +130,7 @@ def _v41_config(tiny_checkpoint, monkeypatch, **settings):
     return EngineArgs(model=tiny_checkpoint, max_model_len=1024, **settings).create_engine_config()
 
 
-def test_kv_cache_without_vllm_cpu_kvcache_space_fits_free_memory(tiny_checkpoint, monkeypatch):
+def test_kv_cache_without_vllm_cpu_kvcache_space_fits_free_memory(tiny_checkpoint, monkeypatch, log_lines):
     """vLLM's CPU default asks for gpu_memory_utilization of the host's total memory and stops
     when less is free; for V4.1 the platform sizes each worker's cache from free memory."""
     from pathlib import Path
@@ -158,7 +142,7 @@ def test_kv_cache_without_vllm_cpu_kvcache_space_fits_free_memory(tiny_checkpoin
         choose_kv_cache_bytes,
     )
 
-    with _platform_log() as log:
+    with log_lines("deepinfer_vllm.platforms.cpu") as log:
         cfg = _v41_config(tiny_checkpoint, monkeypatch)
     chosen = cfg.cache_config.kv_cache_memory_bytes
     assert chosen is not None and chosen > 0
@@ -192,7 +176,7 @@ def test_kv_cache_space_set_is_left_to_vllm(tiny_checkpoint, monkeypatch):
     assert cfg.cache_config.kv_cache_memory_bytes == 3 << 30
 
 
-def test_restored_settings_are_explained_only_where_vllm_turned_them_off(tiny_checkpoint, monkeypatch):
+def test_restored_settings_are_explained_only_where_vllm_turned_them_off(tiny_checkpoint, monkeypatch, log_lines):
     """vLLM's CPU platform forces chunked prefill and prefix caching off for MLA models except on
     hosts with AMX tiles; the platform's note on that line follows what vLLM did on this host."""
     import torch
@@ -210,7 +194,7 @@ def test_restored_settings_are_explained_only_where_vllm_turned_them_off(tiny_ch
             ),
         )
         monkeypatch.setattr(DeepInferCpuPlatform, "_explained", False)
-        with _platform_log() as log:
+        with log_lines("deepinfer_vllm.platforms.cpu") as log:
             cfg = _v41_config(tiny_checkpoint, monkeypatch)
         assert cfg.scheduler_config.enable_chunked_prefill and cfg.cache_config.enable_prefix_caching
         assert any("DeepInfer V4.1 on CPU: block_size=64" in line for line in log), log
