@@ -8,7 +8,6 @@ claim it unless the Ascend plugin does.
 from __future__ import annotations
 
 import itertools
-import logging
 
 import pytest
 
@@ -19,11 +18,11 @@ from deepinfer_vllm.platforms.ascend import device as npu
 OURS = ascend.ASCEND_PLATFORM
 
 
-def test_ascend_950_is_ours_and_logged(host, caplog):
+def test_ascend_950_is_ours_and_logged(host, log_lines):
     host(soc="Ascend950PR")
-    with caplog.at_level(logging.INFO, logger="deepinfer_vllm.platforms.ascend"):
+    with log_lines("deepinfer_vllm.platforms.ascend") as logged:
         assert ascend.ascend_platform_plugin() == OURS
-    assert "DeepInfer's Ascend platform runs this host (Ascend950PR)" in caplog.text
+    assert "DeepInfer's Ascend platform runs this host (Ascend950PR)" in "\n".join(logged)
     assert platforms.cpu_platform_plugin() is None
 
 
@@ -34,20 +33,20 @@ def test_every_950_variant(host, soc):
 
 
 @pytest.mark.parametrize("soc", ["Ascend910B3", "Ascend910_9392", "Ascend310P3"])
-def test_other_soc_stands_aside_and_says_how_to_force(host, caplog, soc):
+def test_other_soc_stands_aside_and_says_how_to_force(host, log_lines, soc):
     host(soc=soc)
-    with caplog.at_level(logging.INFO, logger="deepinfer_vllm.platforms.ascend"):
+    with log_lines("deepinfer_vllm.platforms.ascend") as logged:
         assert ascend.ascend_platform_plugin() is None
-    assert f"Ascend SoC {soc} is not an Ascend 950" in caplog.text
-    assert "DEEPINFER_PLATFORM=ascend" in caplog.text
+    assert f"Ascend SoC {soc} is not an Ascend 950" in "\n".join(logged)
+    assert "DEEPINFER_PLATFORM=ascend" in "\n".join(logged)
 
 
-def test_other_soc_forced_with_ascend_mode(host, clean_env, caplog):
+def test_other_soc_forced_with_ascend_mode(host, clean_env, log_lines):
     host(soc="Ascend910B3")
     clean_env.setenv("DEEPINFER_PLATFORM", "ascend")
-    with caplog.at_level(logging.WARNING, logger="deepinfer_vllm.platforms.ascend"):
+    with log_lines("deepinfer_vllm.platforms.ascend") as logged:
         assert ascend.ascend_platform_plugin() == OURS
-    assert "not an Ascend 950" in caplog.text
+    assert "not an Ascend 950" in "\n".join(logged)
 
 
 def test_no_torch_npu_is_not_ours(host, clean_env):
@@ -63,12 +62,12 @@ def test_no_visible_npu_is_not_ours(host):
     assert ascend.ascend_platform_plugin() is None
 
 
-def test_vllm_ascend_installed_takes_the_host(host, caplog):
+def test_vllm_ascend_installed_takes_the_host(host, log_lines):
     host(soc="Ascend950PR", vllm_ascend=True)
-    with caplog.at_level(logging.INFO, logger="deepinfer_vllm.platforms.ascend"):
+    with log_lines("deepinfer_vllm.platforms.ascend") as logged:
         assert ascend.ascend_platform_plugin() is None
-    assert "vllm-ascend is installed" in caplog.text
-    assert "VLLM_PLUGINS=deepinfer_vllm,deepinfer_ascend" in caplog.text
+    assert "vllm-ascend is installed" in "\n".join(logged)
+    assert "VLLM_PLUGINS=deepinfer_vllm,deepinfer_ascend" in "\n".join(logged)
 
 
 def test_vllm_ascend_excluded_through_vllm_plugins(host, clean_env):
@@ -79,13 +78,13 @@ def test_vllm_ascend_excluded_through_vllm_plugins(host, clean_env):
     assert ascend.ascend_platform_plugin() is None
 
 
-def test_ascend_mode_does_not_override_vllm_ascend(host, clean_env, caplog):
+def test_ascend_mode_does_not_override_vllm_ascend(host, clean_env, log_lines):
     """Both claiming would stop vLLM; the user is told how to choose instead."""
     host(soc="Ascend950PR", vllm_ascend=True)
     clean_env.setenv("DEEPINFER_PLATFORM", "ascend")
-    with caplog.at_level(logging.WARNING, logger="deepinfer_vllm.platforms.ascend"):
+    with log_lines("deepinfer_vllm.platforms.ascend") as logged:
         assert ascend.ascend_platform_plugin() is None
-    assert "VLLM_PLUGINS" in caplog.text
+    assert "VLLM_PLUGINS" in "\n".join(logged)
 
 
 def test_off_and_cpu_target_never_claim(host, clean_env):
@@ -99,12 +98,12 @@ def test_off_and_cpu_target_never_claim(host, clean_env):
     assert ascend.ascend_platform_plugin() is None
 
 
-def test_simulated_npu_claims_a_cpu_host(host, clean_env, caplog):
+def test_simulated_npu_claims_a_cpu_host(host, clean_env, log_lines):
     host(soc=None)
     clean_env.setenv("DEEPINFER_SIMULATED_NPU", "1")
-    with caplog.at_level(logging.WARNING, logger="deepinfer_vllm.platforms.ascend"):
+    with log_lines("deepinfer_vllm.platforms.ascend") as logged:
         assert ascend.ascend_platform_plugin() == OURS
-    assert "For tests only" in caplog.text
+    assert "For tests only" in "\n".join(logged)
     assert platforms.cpu_platform_plugin() is None
 
 
