@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 
@@ -24,16 +26,20 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
+def _shared_root(tmp_path_factory):
+    """A folder every process of this test run sees: pytest-xdist's workers share the folder
+    above their own temporary folders."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 def _shared_checkpoint(tmp_path_factory, preset: str) -> str:
-    """``preset`` at seed 0, made once per test run: pytest-xdist's workers share the folder
-    above their own temporary folders, and the first worker to ask makes it under a lock."""
+    """``preset`` at seed 0, made once per test run: the first worker to ask makes it under a lock."""
     from filelock import FileLock
 
     from deepinfer_vllm.tools.make_checkpoint import make_checkpoint
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
+    root = _shared_root(tmp_path_factory)
     out = root / f"checkpoint-{preset}"
     done = root / f"checkpoint-{preset}.done"
     with FileLock(str(out) + ".lock"):
@@ -61,6 +67,34 @@ def tiny_reference(tiny_checkpoint):
     return ReferenceV41.from_pretrained(tiny_checkpoint, dtype=torch.float32, num_threads=1)
 
 
+class SharedGreedy:
+    """``tiny``'s reference greedy continuations (fp32), each computed once per test run:
+    the first process to ask computes it under a lock of its own and leaves it in the shared
+    folder; the others read it (several workers' tests need the same continuations)."""
+
+    def __init__(self, reference, folder) -> None:
+        self.reference = reference
+        self.folder = folder
+        folder.mkdir(exist_ok=True)
+
+    def __call__(self, prompt, max_new_tokens: int) -> list[int]:
+        from filelock import FileLock
+
+        prompt = [int(t) for t in prompt]
+        key = hashlib.sha1(json.dumps([prompt, max_new_tokens]).encode()).hexdigest()
+        path = self.folder / f"{key}.json"
+        with FileLock(str(path) + ".lock"):
+            if not path.exists():
+                path.write_text(json.dumps(self.reference.greedy_generate(prompt, max_new_tokens)))
+            return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_greedy(tiny_reference, tmp_path_factory) -> SharedGreedy:
+    """``tiny_greedy(prompt, n)``: the reference's greedy ``n``-token continuation of ``prompt``."""
+    return SharedGreedy(tiny_reference, _shared_root(tmp_path_factory) / "greedy-tiny-fp32")
+
+
 @pytest.fixture(scope="session")
 def acceptance_prompts() -> list[list[int]]:
     """Token-id prompts of 17, 64 and 200 tokens (longer than the window and many groups)."""
@@ -69,9 +103,9 @@ def acceptance_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def reference_greedy(tiny_reference, acceptance_prompts) -> list[list[int]]:
+def reference_greedy(tiny_greedy, acceptance_prompts) -> list[list[int]]:
     """The reference's greedy 16-token continuations of the acceptance prompts."""
-    return [tiny_reference.greedy_generate(p, 16) for p in acceptance_prompts]
+    return [tiny_greedy(p, 16) for p in acceptance_prompts]
 
 
 # ---------------------------------------------------------------- running side by side
@@ -87,7 +121,7 @@ if _WORKER and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
 
 # The longest groups start first (`make test` keeps this order: --no-loadscope-reorder), so
 # that neither worker is left with a long one at the end: the first DSpark engine (it waits for
-# the tiny-dspark checkpoint, whose draft training takes about 6 minutes), the installed wheel
+# the tiny-dspark checkpoint, whose draft training takes about 3 minutes), the installed wheel
 # (a fresh environment, about 7 minutes), the README's server, then every other engine.
 FIRST = (
     "dspark-k1",

@@ -186,8 +186,11 @@ def moe_forward(
     out_dim = w2.shape[1]
     acc = torch.zeros(T, out_dim, dtype=acc_dtype(x.dtype), device=x.device)
     flat_w = topk_weights.reshape(-1).to(acc.dtype)
+    # One view per expert up front: under autograd (draft training) the stacks' gradient is
+    # then one stack of the experts' gradients, not a zero-filled copy per expert used.
+    w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
     for e, sel, rows in expert_choices(topk_ids, range(w1.shape[0])):
-        y = expert_mlp(x[rows], w1[e], w3[e], w2[e], limit, row_weight=flat_w[sel])
+        y = expert_mlp(x[rows], w1s[e], w3s[e], w2s[e], limit, row_weight=flat_w[sel])
         acc.index_add_(0, rows, y.to(acc.dtype))
     if shared is not None:
         s1, s3, s2 = shared

@@ -74,18 +74,24 @@ class DeepInferCpuPlatform(CpuPlatform):
         logger.info("DeepInfer V4.1 on CPU: %s", settings.summary(vllm_config.parallel_config))
         if vllm_config.cache_config.kv_cache_memory_bytes is None:
             choose_kv_cache_bytes(vllm_config)
-        if (not cls._explained) and settings.restored:
-            # vLLM's CPU platform turns both off for MLA models unless the host has AMX
-            # tiles (``amx_mla_or_dsv4_enabled`` in vllm/platforms/cpu.py): explained only
-            # where it did.
+        if not cls._explained:
             cls._explained = True
+            # vLLM's CPU platform turns both off for MLA models unless the host has AMX
+            # tiles (``amx_mla_or_dsv4_enabled`` in vllm/platforms/cpu.py): that part of the
+            # note only where it did.
+            restored = (
+                "vLLM's CPU platform logs that it forces chunked prefill and prefix caching off for "
+                "MLA models; DeepInfer's V4.1 backend pages its own caches and supports both, so they "
+                "are restored as listed above. "
+                if settings.restored
+                else ""
+            )
             logger.info(
-                "DeepInfer V4.1 on CPU: vLLM's CPU platform logs that it forces chunked prefill and "
-                "prefix caching off for MLA models; DeepInfer's V4.1 backend pages its own caches and "
-                "supports both, so they are restored as listed above. Lines about DeepGEMM/UE8M0, "
-                "Triton and CUDA graphs do not apply: this path runs PyTorch on the CPU. The "
-                "workers' 'expand_kernel is already registered. Overwriting.' is this platform's "
-                "fix of vLLM's rejection-sampler fallback (see deepinfer_vllm/platforms/cpu.py)."
+                "DeepInfer V4.1 on CPU: %sLines about DeepGEMM/UE8M0, Triton and CUDA graphs do not "
+                "apply: this path runs PyTorch on the CPU. The workers' 'expand_kernel is already "
+                "registered. Overwriting.' is this platform's fix of vLLM's rejection-sampler fallback "
+                "(see deepinfer_vllm/platforms/cpu.py).",
+                restored,
             )
 
 

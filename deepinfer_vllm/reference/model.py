@@ -324,8 +324,10 @@ class ReferenceV41:
         keep_tokens: int = 0,
         stop_at_eos: bool = False,
     ) -> list[int]:
-        """Greedy continuation: re-runs the full forward over prompt + generated tokens for
-        every new token and appends the argmax (lowest id on ties) of the last row.
+        """Greedy continuation: re-runs the full stack over prompt + generated tokens for
+        every new token and appends the argmax (lowest id on ties) of the last row's logits
+        (the head is applied to that row alone: its logits are ``forward``'s last row, the
+        same fp64-accumulated product rounded once).
 
         Returns only the new tokens. The prefill truncation settings apply to every forward, with
         ``data_len`` = the current length (what an engine does when each step is a fresh
@@ -334,7 +336,9 @@ class ReferenceV41:
         seq = self._as_ids(prompt_ids).tolist()
         out: list[int] = []
         for _ in range(max_new_tokens):
-            logits = self.forward(seq, truncation_mode=truncation_mode, keep_tokens=keep_tokens)
+            h = self.hidden_states(seq, truncation_mode=truncation_mode, keep_tokens=keep_tokens)
+            with self._threads():
+                logits = gemm(h[-1:], self.w["head.weight"], torch.float32)
             tok = int(torch.argmax(logits[-1]).item())
             out.append(tok)
             seq.append(tok)

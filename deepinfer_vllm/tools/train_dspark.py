@@ -40,11 +40,11 @@ __all__ = ["Recipe", "recipe_prompts", "train_draft"]
 @dataclass(frozen=True)
 class Recipe:
     seed: int = 0
-    prompts: int = 24  # training sequences (plus ``held_out`` for evaluation)
+    prompts: int = 8  # training sequences (plus ``held_out`` for evaluation)
     held_out: int = 4
     prompt_len: int = 12
     continuation: int = 24
-    steps: int = 160
+    steps: int = 100
     batch: int = 32
     lr: float = 2e-3
     confidence_weight: float = 0.1

@@ -70,7 +70,7 @@ def test_batched_greedy_with_drafts_equals_the_target(engine, acceptance_prompts
     assert len(_per_position(llm)) == k
 
 
-def test_one_at_a_time_and_prefix_hit(engine, acceptance_prompts, tiny_reference):
+def test_one_at_a_time_and_prefix_hit(engine, acceptance_prompts, tiny_greedy):
     _, llm = engine
     base = acceptance_prompts[2]
     first = base[:150] + [7, 8, 9]
@@ -78,19 +78,19 @@ def test_one_at_a_time_and_prefix_hit(engine, acceptance_prompts, tiny_reference
     out_first = llm.generate([_ids(first)], GREEDY)[0]
     out_second = llm.generate([_ids(second)], GREEDY)[0]
     assert out_second.num_cached_tokens >= 128, out_second.num_cached_tokens
-    assert list(out_first.outputs[0].token_ids) == tiny_reference.greedy_generate(first, 16)
-    assert list(out_second.outputs[0].token_ids) == tiny_reference.greedy_generate(second, 16)
+    assert list(out_first.outputs[0].token_ids) == tiny_greedy(first, 16)
+    assert list(out_second.outputs[0].token_ids) == tiny_greedy(second, 16)
 
 
 @pytest.fixture(scope="module")
-def fitted_prompts(tiny_reference):
+def fitted_prompts(tiny_greedy):
     """Prompts whose continuations the tiny-dspark draft was trained on, with the reference's
     greedy continuations: the draft accepts here, so accepted-token paths run."""
     from deepinfer_vllm.tools.train_dspark import Recipe, recipe_prompts
 
     recipe = Recipe()
     prompts = recipe_prompts(recipe)[0][:4]
-    return prompts, [tiny_reference.greedy_generate(p, recipe.continuation) for p in prompts], recipe.continuation
+    return prompts, [tiny_greedy(p, recipe.continuation) for p in prompts], recipe.continuation
 
 
 def test_accepted_drafts_keep_the_target_tokens(engine, fitted_prompts):

@@ -39,7 +39,7 @@ def _counters(url: str) -> dict[str, float]:
     return out
 
 
-def test_tp2_server_drafts_accepts_and_reports_metrics(dspark_server, tiny_reference):
+def test_tp2_server_drafts_accepts_and_reports_metrics(dspark_server, tiny_greedy):
     from deepinfer_vllm.tools.train_dspark import Recipe, recipe_prompts
 
     recipe = Recipe()
@@ -50,7 +50,7 @@ def test_tp2_server_drafts_accepts_and_reports_metrics(dspark_server, tiny_refer
                 "ignore_eos": True, "return_token_ids": True}
         r = requests.post(f"{dspark_server}/v1/completions", json=body, timeout=600)
         r.raise_for_status()
-        assert r.json()["choices"][0]["token_ids"] == tiny_reference.greedy_generate(prompt, recipe.continuation)
+        assert r.json()["choices"][0]["token_ids"] == tiny_greedy(prompt, recipe.continuation)
     after = _counters(dspark_server)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     drafts = delta["vllm:spec_decode_num_drafts_total"]

@@ -258,6 +258,8 @@ def test_json_schema_answers_validate_with_the_default_backend(client):
 def test_json_object_answers_that_finish_are_json_objects(client):
     """``json_object`` has no bounds for random weights to stop at (a key can run past any
     ``max_tokens``); a cut answer says ``length``, and every finished one is an object."""
+    # One at a time: seeded answers are the same in every run only alone (a batch changes the
+    # logits' bits), and at least one of these seeds must finish.
     results = [_json_request(client, None, False, False, seed) for seed in range(8)]
     finished = [content for finish, _, content in results if finish == "stop"]
     assert all(finish in ("stop", "length") for finish, _, _ in results), results
@@ -271,13 +273,13 @@ def test_responses_api_with_the_openai_client(client):
     off through ``reasoning.effort: none``) follow the tool schema; with thinking on, vLLM
     0.32's Responses API has no thinking budget, so random weights think until
     ``max_output_tokens`` and the response says ``incomplete`` (README)."""
-    reasoning = client.responses.create(
-        model="tiny", input="Hello", max_output_tokens=24, reasoning={"effort": "low"}
+    pool = ThreadPoolExecutor(4)  # the four requests side by side: one batch on the server
+    reasoning_future = pool.submit(
+        client.responses.create, model="tiny", input="Hello", max_output_tokens=24, reasoning={"effort": "low"}
     )
-    item = reasoning.output[0]
-    assert item.type == "reasoning" and item.content[0].text.strip()
-    assert reasoning.status == "incomplete" and reasoning.incomplete_details.reason == "max_output_tokens"
-
+    text_future = pool.submit(
+        client.responses.create, model="tiny", input="Hello", max_output_tokens=12, reasoning={"effort": "none"}
+    )
     tools = [
         {
             "type": "function",
@@ -288,8 +290,10 @@ def test_responses_api_with_the_openai_client(client):
         }
         for t in TOOLS
     ]
-    for tool_choice in ("required", {"type": "function", "name": "search"}):
-        response = client.responses.create(
+    choices = ("required", {"type": "function", "name": "search"})
+    forced = [
+        pool.submit(
+            client.responses.create,
             model="tiny",
             input="Plan a trip.",
             tools=tools,
@@ -298,15 +302,22 @@ def test_responses_api_with_the_openai_client(client):
             reasoning={"effort": "none"},
             temperature=1.0,
         )
+        for tool_choice in choices
+    ]
+    pool.shutdown()
+
+    reasoning = reasoning_future.result()
+    item = reasoning.output[0]
+    assert item.type == "reasoning" and item.content[0].text.strip()
+    assert reasoning.status == "incomplete" and reasoning.incomplete_details.reason == "max_output_tokens"
+    for tool_choice, future in zip(choices, forced):
+        response = future.result()
         calls = [item for item in response.output if item.type == "function_call"]
         assert response.status == "completed" and calls, response.output
         for call in calls:
             assert tool_choice == "required" or call.name == "search"
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-
-    text = client.responses.create(
-        model="tiny", input="Hello", max_output_tokens=12, reasoning={"effort": "none"}
-    )
+    text = text_future.result()
     assert [item.type for item in text.output] == ["message"] and text.output_text.strip()
 
 
@@ -327,7 +338,9 @@ def test_messages_api_with_the_anthropic_client(server):
     ]
     ask = [{"role": "user", "content": "Plan a trip."}]
 
-    thought = messages.create(
+    pool = ThreadPoolExecutor(4)  # side by side: one batch on the server
+    thought_future = pool.submit(
+        messages.create,
         model="tiny",
         max_tokens=1400,
         messages=ask,
@@ -335,6 +348,24 @@ def test_messages_api_with_the_anthropic_client(server):
         tool_choice={"type": "tool", "name": "add"},
         thinking={"type": "enabled", "budget_tokens": 1024},
     )
+
+    def streamed():
+        with messages.stream(
+            model="tiny",
+            max_tokens=CALLS_ROOM,
+            messages=ask,
+            tools=tools,
+            tool_choice={"type": "any"},
+            thinking={"type": "disabled"},
+        ) as stream:
+            return stream.get_final_message()
+
+    final_future = pool.submit(streamed)
+    plain_future = pool.submit(messages.create, model="tiny", max_tokens=12, messages=ask, thinking={"type": "disabled"})
+    short_future = pool.submit(messages.create, model="tiny", max_tokens=4, messages=ask, thinking={"type": "disabled"})
+    pool.shutdown()
+
+    thought = thought_future.result()
     kinds = [block.type for block in thought.content]
     assert kinds[0] == "thinking" and thought.content[0].thinking.strip(), kinds
     uses = [block for block in thought.content if block.type == "tool_use"]
@@ -342,28 +373,20 @@ def test_messages_api_with_the_anthropic_client(server):
     for use in uses:
         jsonschema.validate(use.input, SCHEMAS["add"])
 
-    with messages.stream(
-        model="tiny",
-        max_tokens=CALLS_ROOM,
-        messages=ask,
-        tools=tools,
-        tool_choice={"type": "any"},
-        thinking={"type": "disabled"},
-    ) as stream:
-        final = stream.get_final_message()
+    final = final_future.result()
     assert final.stop_reason == "tool_use" and final.content, final
     for block in final.content:
         assert block.type == "tool_use", final
         jsonschema.validate(block.input, SCHEMAS[block.name])
 
-    plain = messages.create(model="tiny", max_tokens=12, messages=ask, thinking={"type": "disabled"})
+    plain = plain_future.result()
     assert [block.type for block in plain.content] == ["text"] and plain.stop_reason == "max_tokens"
     bad = pytest.raises(anthropic.BadRequestError)
     with bad:  # Anthropic's own rule, enforced by vLLM: a budget below 1024 is a 400
         messages.create(
             model="tiny", max_tokens=64, messages=ask, thinking={"type": "enabled", "budget_tokens": 12}
         )
-    assert messages.create(model="tiny", max_tokens=4, messages=ask, thinking={"type": "disabled"}).content
+    assert short_future.result().content
 
 
 def test_bad_schemas_are_400s_and_the_server_keeps_serving(server):
@@ -481,27 +504,30 @@ def test_forced_calls_cut_by_max_tokens_return_only_whole_calls(server, tiny_che
     whose ``</｜DSML｜ invoke>`` was written, in order, each passing strict ``json.loads`` and
     the tool schema; a cut output says ``length``; streamed, no delta names a call before its
     end tag was streamed."""
+    # One at a time: these seeds cut a call when run alone; in a batch the logits' bits, and so
+    # the seeded samples, differ.
+    cases = [(seed, stream) for seed in (1, 2) for stream in (False, True)]
+    results = [_cut_request(server, seed, stream) for seed, stream in cases]
     cut = 0
-    for seed in (1, 2):
-        for stream in (False, True):
-            finish, used, token_ids, calls, named = _cut_request(server, seed, stream)
-            raw = _raw_text(tiny_checkpoint, token_ids)
-            where = f"seed={seed} stream={stream}: {finish} {used} {calls} {raw!r}"
-            assert len(token_ids) == used, where
-            closed = raw.count(INVOKE_END)
-            written = re.findall(r'<｜DSML｜ invoke name="([^"]+)">', raw)
-            assert [name for name, _ in calls] == written[:closed], where  # whole calls only, all of them
-            for name, arguments in calls:
-                jsonschema.validate(json.loads(arguments), SCHEMAS[name])
-            complete = "</｜DSML｜ calls>" in raw  # the grammar ends the output there
-            assert finish == ("tool_calls" if complete else "length"), where
-            if not complete:
-                assert used == CUT_ROOM, where
-            cut += len(written) > closed
-            for index, streamed in named:  # held back until closed
-                assert _raw_text(tiny_checkpoint, streamed).count(INVOKE_END) > index, where
-            if stream:
-                assert len(named) == len(calls), where  # one delta per call, sent whole
+    for (seed, stream), result in zip(cases, results):
+        finish, used, token_ids, calls, named = result
+        raw = _raw_text(tiny_checkpoint, token_ids)
+        where = f"seed={seed} stream={stream}: {finish} {used} {calls} {raw!r}"
+        assert len(token_ids) == used, where
+        closed = raw.count(INVOKE_END)
+        written = re.findall(r'<｜DSML｜ invoke name="([^"]+)">', raw)
+        assert [name for name, _ in calls] == written[:closed], where  # whole calls only, all of them
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        complete = "</｜DSML｜ calls>" in raw  # the grammar ends the output there
+        assert finish == ("tool_calls" if complete else "length"), where
+        if not complete:
+            assert used == CUT_ROOM, where
+        cut += len(written) > closed
+        for index, streamed in named:  # held back until closed
+            assert _raw_text(tiny_checkpoint, streamed).count(INVOKE_END) > index, where
+        if stream:
+            assert len(named) == len(calls), where  # one delta per call, sent whole
     assert cut, "no output was cut inside a call: raise the seeds or lower CUT_ROOM"
 
 
