@@ -36,6 +36,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from deepinfer_vllm.configs import V41Arch
 from deepinfer_vllm.model_executor import checkpoint
 from deepinfer_vllm.model_executor.layers import dequant
+from deepinfer_vllm.model_executor.layers.weights import ue8m0_dtype
 
 METHOD_NAME = "deepinfer_v41"
 
@@ -100,7 +101,7 @@ class V41Fp8LinearMethod(_HeldWeights, LinearMethodBase):
             )
         return {
             "weight": torch.empty(rows, cols, dtype=torch.float8_e4m3fn),
-            "scale": torch.empty(rows // TILE, cols // TILE, dtype=torch.float8_e8m0fnu),
+            "scale": torch.empty(rows // TILE, cols // TILE, dtype=ue8m0_dtype()),
         }
 
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -10,10 +10,15 @@ needs and the V1 runner does not do, none of it device-specific:
   verification, profiled once the KV caches exist;
 * seeded sampling across prefill chunks: after a step that ends inside a
   prompt, vLLM discards the request's sample and rewinds its generator with
-  ``set_offset``, which CPU generators lack (the engine dies). The runner
-  keeps the generator's state from before sampling and restores that instead,
-  so a seeded request draws the same numbers however its prompt is chunked
-  (alone or in a batch). Generators on a device keep vLLM's rewind.
+  ``set_offset(get_offset() - 4)``: CUDA's Philox bookkeeping (the offset a
+  sampling kernel advances), which CPU generators lack (the engine dies) and
+  which need not hold for an NPU's generator. The runner keeps every such
+  generator's state from before sampling and restores that instead, exact on
+  any device, so a seeded request draws the same numbers however its prompt is
+  chunked (alone or in a batch);
+* with adaptive verification, step times measured on the device: the clock is
+  read after the device finished (``_sync_device``), not when the host has
+  only queued the work.
 
 Other models never see a difference (only ``V41StepMetadata`` objects are
 touched, and the DSpark hooks run only with DeepInfer's proposer). The CPU
@@ -24,13 +29,13 @@ the NPU runner is ``V41RunnerMixin`` + vLLM's ``GPUModelRunner``
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
 
 from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
 from deepinfer_vllm.spec_decode.proposer import DSparkProposer
-
 
 # Adaptive verification's start-up profile stops here; larger steps are
 # extrapolated from the last two sizes (the cost is linear there).
@@ -65,12 +70,14 @@ class V41RunnerMixin:
 
     def _sample(self, logits, spec_decode_metadata):
         # Requests whose sample this step discards (a prompt chunk that is not the
-        # last): remember their CPU generators' state before the sampler draws.
+        # last): remember their generators' state before the sampler draws. A device
+        # generator's state (seed and offset) lives on the host, and the sampler's kernels
+        # took their offsets when launched, so restoring it after launch is exact.
         rewind = {}
         num_reqs = self.input_batch.num_reqs
         for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0].tolist():
             gen = self.input_batch.generators.get(i)
-            if gen is not None and gen.device.type == "cpu":
+            if gen is not None:
                 rewind[i] = (gen, gen.get_state())
         self._rewind = rewind
         return super()._sample(logits, spec_decode_metadata)
@@ -93,12 +100,27 @@ class V41RunnerMixin:
         drafter = getattr(self, "drafter", None)
         return drafter if isinstance(drafter, DSparkProposer) else None
 
+    # Steps that serve requests feed adaptive verification's cost table; profiles and the
+    # warm-up (``unmeasured_steps``) do not: they time themselves, or run cold.
+    _measure_steps = True
+
+    @contextlib.contextmanager
+    def unmeasured_steps(self):
+        saved, self._measure_steps = self._measure_steps, False
+        try:
+            yield
+        finally:
+            self._measure_steps = saved
+
     def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
         drafter = self._dspark()
-        if drafter is None or not drafter.settings.adaptive:
+        if drafter is None or not drafter.settings.adaptive or not self._measure_steps:
             return super()._model_forward(input_ids, positions, *args, **kwargs)
+        # The forward's device time: nothing queued before it, all of it finished after.
+        self._sync_device()
         t0 = time.perf_counter()
         out = super()._model_forward(input_ids, positions, *args, **kwargs)
+        self._sync_device()
         if positions is not None and self._v41_step_metadata:
             drafter.verify_costs.observe(int(positions.shape[-1]), time.perf_counter() - t0)
         return out
@@ -112,7 +134,8 @@ class V41RunnerMixin:
                 self.scheduler_config.max_num_seqs * (1 + drafter.k),
                 PROFILE_MAX_TOKENS,
             )
-            drafter.profile(lambda n: self._dummy_run(n), limit)
+            with self.unmeasured_steps():
+                drafter.profile(lambda n: self._dummy_run(n), limit, self._sync_device)
 
     def propose_draft_token_ids(
         self,

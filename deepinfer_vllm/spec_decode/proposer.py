@@ -70,17 +70,25 @@ class DSparkProposer:
         raise RuntimeError("DSpark drafts are driven by DeepInfer's model runner (DSparkProposer.draft)")
 
     # start-up profile -------------------------------------------------------------------
-    def profile(self, run_target, max_tokens: int) -> None:
-        """Median target-step times at 1, 2, 4, .. tokens (``run_target(n)`` runs one step)."""
+    def profile(self, run_target, max_tokens: int, sync=None) -> None:
+        """Median target-step times at 1, 2, 4, .. tokens (``run_target(n)`` runs one step).
+
+        ``sync()`` waits for the device (the runner's ``_sync_device``): a device step
+        returns once queued, so the clock is read only after it; without it the table would
+        hold enqueue times. Each size runs once unmeasured first (its operators' first call)."""
+        sync = sync or (lambda: None)
         sizes, n = [], 1
         while n < max_tokens:
             sizes.append(n)
             n *= 2
         sizes.append(max_tokens)
         for n in sizes:
+            run_target(n)
             for _ in range(3):
+                sync()
                 t0 = time.perf_counter()
                 run_target(n)
+                sync()
                 self.verify_costs.observe(n, time.perf_counter() - t0)
         logger.info("DSpark verification cost table (tokens, s): %s", self.verify_costs.table())
 
@@ -122,6 +130,10 @@ class DSparkProposer:
         if not rows or not step_metadata:
             return drafts, None
         R = len(rows)
+        # Draft costs feed adaptive verification only; timed on the device (as ``profile``).
+        sync = runner._sync_device if self.settings.adaptive else None
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         any_layer = next(iter(step_metadata))
         state = StepState.from_metadata(step_metadata, any_layer)
@@ -163,7 +175,9 @@ class DSparkProposer:
                 top = torch.softmax(logits, dim=-1).amax(dim=-1)
                 conf[:, i] = OnlineAcceptance.feature(top)
             prev = d
-        self.draft_costs.observe(R, time.perf_counter() - t0)
+        if sync is not None:
+            sync()
+            self.draft_costs.observe(R, time.perf_counter() - t0)
 
         counts = [k] * R
         if self.settings.adaptive:

@@ -32,9 +32,12 @@ def test_rms_norm(rows):
     assert (got == ref).float().mean() >= 0.99
 
 
-@pytest.mark.parametrize("shape", [(64, 512), (64, 64, 512)])
+@pytest.mark.parametrize("shape", [(64, 512), (64, 64, 512), (4096, 128, 192)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_tail(shape, inverse):
+    """The operator reads the layout ``rope_tail`` passes (tokens on S of SBND, heads on B,
+    S11D tables) as meant: a 4096-token prefill of 128 heads (4096 x 128 is past the 1000
+    bound that tokens on B would hit) gives the reference's values."""
     g = torch.Generator().manual_seed(7)
     cache = build_rope_cache(64, 65536, 10000.0)
     x = torch.randn(*shape, generator=g).to(torch.bfloat16)

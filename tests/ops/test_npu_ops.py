@@ -63,6 +63,42 @@ def test_rope_tail_round_trip_and_untouched_head(fake):
     assert torch.allclose(npu.rope_tail(y, positions, cache, inverse=True), x, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(4096, 64), (4096, 128, 64), (1, 128, 64)])
+def test_rope_tail_layout_is_one_the_operator_documents(fake, monkeypatch, shape):
+    """``npu_rotary_mul`` reads its layout from the shapes. Interleave mode documents, for
+    A2/A3, SBND ``x`` with S11D ``cos``/``sin`` and ``B * N < 1000``; the 950 asks only that
+    the tables broadcast to ``x`` (D <= 1024). The wrapper passes tokens on S (the leading
+    axis) and heads on B, so a 4096-token prefill of 128 heads stays within both."""
+    seen = []
+    emulate = fake.npu_rotary_mul
+
+    def record(x, r1, r2, rotary_mode="half"):
+        seen.append((tuple(x.shape), tuple(r1.shape), tuple(r2.shape), rotary_mode))
+        return emulate(x, r1, r2, rotary_mode)
+
+    monkeypatch.setattr(fake, "npu_rotary_mul", record)
+    cache = build_rope_cache(64, 8192, 10000.0)
+    x = torch.randn(*shape).to(torch.bfloat16)
+    positions = torch.randint(0, 8192, shape[:1])
+    npu.rope_tail(x, positions, cache)
+    [(xs, r1, r2, mode)] = seen
+    tokens, heads = shape[0], (shape[1] if len(shape) == 3 else 1)
+    assert mode == "interleave" and xs == (tokens, heads, 1, 64)  # S, B, N, D
+    assert r1 == r2 == (tokens, 1, 1, 64)  # S11D
+    assert xs[1] * xs[2] < 1000 and xs[3] % 2 == 0 and xs[3] < 896
+    assert torch.broadcast_shapes(xs, r1) == xs
+
+
+def test_rope_tail_refuses_what_the_operator_does_not_take(fake):
+    cache = build_rope_cache(64, 16, 10000.0)
+    with pytest.raises(ValueError, match="fewer than 1000 heads.*got 1000 heads"):
+        npu.rope_tail(torch.zeros(2, 1000, 64), torch.zeros(2, dtype=torch.long), cache)
+    odd = torch.zeros(16, 63)
+    with pytest.raises(ValueError, match="even rotary_dim.*rotary_dim 63"):
+        npu.rope_tail(torch.zeros(2, 4, 63), torch.zeros(2, dtype=torch.long), odd)
+    assert fake.calls == []
+
+
 def test_rope_tail_refuses_other_shapes_by_name(fake):
     cache = build_rope_cache(64, 16, 10000.0)
     with pytest.raises(ValueError, match=r"positions \[T\]"):

@@ -12,7 +12,7 @@ from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import V41Arch
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenExchange
 from deepinfer_vllm.model_executor.layers.step_state import StepState
-from deepinfer_vllm.model_executor.layers.weights import held
+from deepinfer_vllm.model_executor.layers.weights import held, ue8m0_dtype
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.engram import (
     ENGRAM_BEFORE_START,
@@ -107,7 +107,7 @@ class EngramTable(nn.Module):
         self.layout = layout
         self.row0, n = layout.engram_rows(num_rows)
         self.weight = held(n, dim, dtype=torch.float8_e4m3fn)
-        self.scale = held(n, dim // 32, dtype=torch.float8_e8m0fnu)
+        self.scale = held(n, dim // 32, dtype=ue8m0_dtype())
         for p in (self.weight, self.scale):
             p.weight_loader = self._load_rows
 

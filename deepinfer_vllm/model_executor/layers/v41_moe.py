@@ -33,7 +33,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear
 from deepinfer_vllm import envs
 from deepinfer_vllm.model_executor.layers.dequant import gemm_fp4, use_gemm_kernels
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenExchange
-from deepinfer_vllm.model_executor.layers.weights import V41RowParallelLinear, held
+from deepinfer_vllm.model_executor.layers.weights import V41RowParallelLinear, held, ue8m0_dtype
 from deepinfer_vllm.ops.moe import (
     expert_choices,
     expert_groups,
@@ -96,9 +96,10 @@ class RoutedExperts(nn.Module):
         self.split = layout.moe_size > 1 and not layout.expert_parallel
         self.width = width
         n = len(self.local)
+        scale_dtype = ue8m0_dtype()
         for name, (rows, cols) in {"w13": (2 * width, hidden), "w2": (hidden, width)}.items():
             setattr(self, name, held(n, rows, cols // 2, dtype=torch.int8))
-            setattr(self, f"{name}_scale", held(n, rows, cols // 32, dtype=torch.float8_e8m0fnu))
+            setattr(self, f"{name}_scale", held(n, rows, cols // 32, dtype=scale_dtype))
 
     def param_name(self, proj: str, kind: str) -> str:
         """The parameter holding checkpoint tensor ``experts.E.{proj}.{kind}``."""

@@ -21,7 +21,7 @@ from deepinfer_vllm.model_executor.layers.parallel import all_reduce
 from deepinfer_vllm.ops.norm import rms_norm
 from deepinfer_vllm.ops.numerics import acc_dtype
 
-__all__ = ["V41Norm", "V41RowParallelLinear", "fused_kernels", "held", "linear"]
+__all__ = ["V41Norm", "V41RowParallelLinear", "fused_kernels", "held", "linear", "ue8m0_dtype"]
 
 
 def fused_kernels(x: torch.Tensor) -> str:
@@ -33,6 +33,17 @@ def fused_kernels(x: torch.Tensor) -> str:
 def held(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     """An uninitialised parameter of the checkpoint's dtype, filled by the loader."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def ue8m0_dtype() -> torch.dtype:
+    """The dtype UE8M0 scale parameters are held in: ``torch.float8_e8m0fnu`` (the
+    checkpoint's), unless the platform names another through ``ue8m0_storage_dtype``
+    (DeepInfer's Ascend platform: ``uint8``, as its device layer decides: e8m0 tensors are
+    not known to work on an NPU). Loading reinterprets the bytes, never converts them, and
+    every reader (``ops.quant``) takes either dtype, so the numbers are the same."""
+    import vllm.platforms
+
+    return getattr(vllm.platforms.current_platform, "ue8m0_storage_dtype", None) or torch.float8_e8m0fnu
 
 
 class V41Norm(nn.Module):

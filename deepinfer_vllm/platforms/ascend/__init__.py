@@ -16,9 +16,19 @@ only where no other out-of-tree platform will, in this order:
    :class:`~.device.SimulatedNPU` stub (DeepInfer's CPU plugin stands aside).
 4. No ``torch_npu``: never (not an Ascend host as far as vLLM can run).
 5. No NPU visible: never.
-6. The SoC of device 0 is an Ascend 950: ours. Another SoC: ours only with
+6. The SoC is an Ascend 950: ours. Another SoC: ours only with
    ``DEEPINFER_PLATFORM=ascend`` (logged as untested); otherwise the log names
-   the SoC and the way to force ours.
+   the SoC and the way to force ours. A SoC that cannot be read without opening
+   a device (a torch_npu older than the pinned one): ours only with
+   ``DEEPINFER_PLATFORM=ascend``.
+
+Steps 5 and 6 ask the driver (device count, SoC name) and open no device
+context: vLLM runs this in every process, and a context opened here would hold
+memory on NPU 0 for the life of the API server, the engine core and each worker
+(``device.py``'s docstring). vllm-ascend's ``register()`` decides without any
+query (its build names the SoC); this plugin shares the host with vllm-ascend's
+and the CPU platform, so it must know the SoC, and asks the one query that
+needs no context.
 
 Every outcome past step 1 is logged once per process, naming the platform
 that will run.
@@ -122,6 +132,16 @@ def ascend_platform_plugin() -> str | None:
                  "DeepInfer's Ascend platform is off.")
         return None
     soc = layer.soc_name(0)
+    if soc is None:
+        _say(
+            logging.WARNING if mode == "ascend" else logging.INFO,
+            "torch-npu sees %d NPU(s) but gives their SoC name only after opening a device, which "
+            "DeepInfer's Ascend platform does not do before a worker selects its NPU; %s",
+            layer.device_count(),
+            "running it as asked (DEEPINFER_PLATFORM=ascend)." if mode == "ascend" else
+            "it stands aside. Install the torch-npu the 'ascend' extra pins, or set DEEPINFER_PLATFORM=ascend.",
+        )
+        return ASCEND_PLATFORM if mode == "ascend" else None
     if npu.is_ascend_950(soc):
         _say(logging.INFO, "DeepInfer's Ascend platform runs this host (%s).", soc)
         return ASCEND_PLATFORM

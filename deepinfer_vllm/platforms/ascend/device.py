@@ -17,9 +17,24 @@ DSpark) is shared with the paths that run here; only this module touches
 Covered: SoC name, device count, set_device, synchronize, streams and events,
 memory queries (free/total, peak, empty_cache), the distributed backend name
 (HCCL) and process-group creation, the environment an Ascend process needs
-(design §8: visible devices, allocator settings), and :meth:`TorchNPU.torch_api`,
+(design §8: visible devices, allocator settings), the dtype UE8M0 scales are
+held in, what counts as an out-of-memory error, and :meth:`TorchNPU.torch_api`,
 which points the stream, event and synchronisation calls of vLLM's GPU runner
 at this device. Graph capture is not used yet (V4.1 runs eager on Ascend).
+
+No device before ``set_device``. vLLM resolves the platform, and asks it for the
+device's name and memory, in every process: the API server, the engine core and
+each worker before it selects its NPU. ``torch_npu`` initialises ACL on its first
+call that needs it (``torch_npu.npu._lazy_init``: ``get_device_properties``,
+``mem_get_info``, ``current_device``, ``synchronize``, ...), and that opens a
+context on NPU 0, which holds device memory for the life of the process; rank
+0's KV budget would shrink by every such context (vLLM takes the smallest budget
+over the ranks). So before this process's :meth:`TorchNPU.set_device` the layer
+answers only what the driver gives without a context: the device count and the
+SoC name. The total memory is refused until then (vLLM's callers before the
+worker's ``set_device`` catch the refusal and fall back to defaults), as
+vllm-ascend refuses it always (its ``get_device_total_memory`` raises, and its
+``register()`` decides without touching a device).
 """
 
 from __future__ import annotations
@@ -107,11 +122,18 @@ class TorchNPU:
     dist_backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
 
+    # The NPU this process selected (``set_device``); None before: no device is touched.
+    selected: int | None = None
+
+    @property
+    def _torch_npu(self):
+        import torch_npu  # registers torch.npu and the PrivateUse1 backend
+
+        return torch_npu
+
     @property
     def _npu(self):
-        import torch_npu  # noqa: F401  (registers torch.npu and the PrivateUse1 backend)
-
-        return torch_npu.npu
+        return self._torch_npu.npu
 
     def load(self) -> None:
         """Import ``torch_npu`` (registers the ``npu`` device and its ops with torch)."""
@@ -126,6 +148,10 @@ class TorchNPU:
             return False
 
     def device_count(self) -> int:
+        """Visible NPUs, without a device context: ``torch_npu.npu.device_count`` asks the
+        driver (``drvGetDevNum`` through libascend_hal, with ``ASCEND_RT_VISIBLE_DEVICES``
+        applied; ``aclrtGetDeviceCount`` where that library is missing) and never calls
+        ``_lazy_init``."""
         try:
             return int(self._npu.device_count())
         except Exception:
@@ -133,13 +159,30 @@ class TorchNPU:
             return 0
 
     def soc_name(self, device_id: int = 0) -> str | None:
+        """The SoC name (e.g. ``Ascend950PR``), without a device context where torch_npu
+        allows it: ``torch_npu._C._npu_getDeviceName`` is ``aclrtGetSocName``, the query
+        torch_npu's own ``get_device_name`` makes without ``_lazy_init`` in the releases
+        this extra pins (older ones initialised the device first). Without that binding
+        the name is read only once this process selected its NPU; before, None (the
+        caller says so). One SoC per host: the name is the runtime's, any device."""
         try:
-            return str(self._npu.get_device_name(device_id))
+            query = getattr(self._torch_npu._C, "_npu_getDeviceName", None)
+            if query is not None:
+                return str(query()) or None
+            if self.selected is not None:
+                return str(self._npu.get_device_name(device_id)) or None
         except Exception:
-            logger.debug("torch_npu.npu.get_device_name(%d) failed", device_id, exc_info=True)
-            return None
+            logger.debug("reading the NPU's SoC name failed", exc_info=True)
+        return None
 
     def total_memory(self, device_id: int = 0) -> int:
+        """Bytes of device ``device_id``; only once this process selected its NPU (reading
+        it needs a device context: see the module docstring)."""
+        if self.selected is None:
+            raise NotImplementedError(
+                "DeepInfer's Ascend platform reads an NPU's memory only in a worker after it "
+                "selected its device (the query opens a device context)"
+            )
         return int(self._npu.get_device_properties(device_id).total_memory)
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
@@ -166,6 +209,7 @@ class TorchNPU:
 
     def set_device(self, device) -> None:
         self._npu.set_device(device)
+        self.selected = _device_index(device)
 
     def synchronize(self, device=None) -> None:
         self._npu.synchronize(device)
@@ -231,13 +275,41 @@ class TorchNPU:
 
     def process_env(self) -> dict[str, str]:
         """Variables an Ascend process sets before touching the device (design §8),
-        each only where the user left it unset."""
+        each only where the user left it unset.
+
+        ``HCCL_BUFFSIZE`` and ``HCCL_EXEC_TIMEOUT`` keep HCCL's defaults (200 MB per
+        direction and communicator, the size vllm-ascend gives its groups too; 1836 s): a
+        smaller buffer splits every collective larger than it into rounds, and a short
+        execution timeout fails a rank whose peer is still loading operators on its first
+        steps. ``HCCL_CONNECT_TIMEOUT`` is raised from HCCL's 120 s: ranks can reach the
+        collective where their links are set up minutes apart (weight loading differs)."""
         return {
             "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
-            "HCCL_BUFFSIZE": "16",
             "HCCL_CONNECT_TIMEOUT": "240",
-            "HCCL_EXEC_TIMEOUT": "200",
         }
+
+    @property
+    def ue8m0_dtype(self):
+        """The dtype UE8M0 scale parameters are held in on this device: their bytes as
+        ``uint8``. torch_npu releases have exposed no e8m0 dtype, or one of their own
+        (``torch_npu.float8_e8m0fnu``, which vllm-ascend's ``mxfp_compat`` looks up before
+        torch's and passes to the operators that need it), so ``torch.float8_e8m0fnu``
+        tensors are not known to work on an NPU; one-byte integers are. Every reader of
+        the scales (``ops.quant``) takes either dtype as the same bytes."""
+        import torch
+
+        return torch.uint8
+
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        """An allocation failure on the NPU: ``torch.OutOfMemoryError`` (torch_npu's caching
+        allocator, recent releases), a ``RuntimeError`` saying "NPU out of memory" (older
+        ones), or ACL's memory-allocation error (207001) from a direct runtime call."""
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        text = str(exc)
+        return isinstance(exc, RuntimeError) and ("NPU out of memory" in text or "207001" in text)
 
 
 class SimulatedNPU(TorchNPU):
@@ -294,7 +366,7 @@ class SimulatedNPU(TorchNPU):
         return torch.device("cpu")
 
     def set_device(self, device) -> None:
-        pass
+        self.selected = 0
 
     def synchronize(self, device=None) -> None:
         pass
@@ -319,6 +391,16 @@ class SimulatedNPU(TorchNPU):
 
     def process_env(self) -> dict[str, str]:
         return {}
+
+
+def _device_index(device) -> int:
+    """The index of ``device`` (an int, ``"npu:3"`` or a ``torch.device``; no index: 0)."""
+    if isinstance(device, int):
+        return device
+    index = getattr(device, "index", None)
+    if index is None and isinstance(device, str) and ":" in device:
+        index = int(device.rsplit(":", 1)[1])
+    return int(index or 0)
 
 
 @lru_cache(maxsize=1)

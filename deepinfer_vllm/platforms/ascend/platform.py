@@ -10,13 +10,15 @@ DeepInfer's backend. What differs is the device profile:
 
 * on an NPU (through ``device.TorchNPU``): device ``npu``, dispatch key
   ``PrivateUse1``, HCCL, ``ASCEND_RT_VISIBLE_DEVICES``, eager execution (no
-  graph capture yet), spawned workers, the process variables of design §8;
+  graph capture yet), spawned workers, the process variables of design §8,
+  PyTorch kernels in place of vLLM's Triton ones (``kernels.py``);
 * simulated (``DEEPINFER_SIMULATED_NPU=1``, tests only): the same class,
   worker and runner with the device layer stubbed; tensors live on the host,
-  so the host-execution parts of vLLM's CPU platform (kernels, communicator,
-  KV space, executor settings) stand in for the device's, the execution
-  settings (eager, no asynchronous scheduling) are the NPU's, and vLLM's log
-  names this platform.
+  so the host-execution settings of vLLM's CPU platform (KV space, executor,
+  host-memory pinning) stand in for the device's, while the kernels (no vLLM
+  kernel library, no Triton), the sampler, the communicator (over gloo) and
+  the execution settings (eager, no asynchronous scheduling) are the NPU's,
+  and vLLM's log names this platform.
 
 Every device call goes through ``device.get()``.
 """
@@ -46,22 +48,11 @@ STOCK_NPU_WORKERS = STOCK_WORKERS + ("vllm.v1.worker.gpu_worker.Worker",)
 
 _LAYER = npu.get()
 
-# Host-execution behaviour the simulated NPU takes from DeepInfer's CPU
-# platform (tensors live on the host there); on an NPU these are this class's own.
+# The only answers the simulated NPU takes from DeepInfer's CPU platform: facts about
+# tensors on the host, where the simulation keeps them. Everything else (kernels, Triton
+# overrides, communicator, dtypes, block size, memory) is this class's own, simulated or not.
 HOST_METHODS = (
-    "supported_dtypes",
-    "check_runner_kv_caches_multi_layer",
-    "get_mla_prefill_backend_cls",
-    "update_block_size_for_backend",
-    "is_pin_memory_available",
-    "get_punica_wrapper",
-    "get_device_communicator_cls",
-    "import_kernels",
-    "register_triton_kernel_overrides",
-    "get_current_memory_usage",
-    "num_compute_units",
-    "opaque_attention_op",
-    "supports_structured_output",
+    "is_pin_memory_available",  # pinning needs an accelerator runtime; torch on a host has none
 )
 
 
@@ -84,13 +75,28 @@ class DeepInferAscendPlatform(Platform):
         return self.simulated
 
     # ------------------------------------------------------------ device
+    # vLLM asks these in every process, the API server included; none may open a device
+    # context before the worker selects its NPU (``device.py``'s docstring says why).
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return npu.get().soc_name(device_id) or "Ascend"
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
+        """The device's bytes once this process selected its NPU; before that the layer
+        refuses (``NotImplementedError``), and vLLM's callers there (default batch sizes in
+        the API server) fall back to their defaults, as they do for vllm-ascend."""
         return npu.get().total_memory(device_id)
+
+    @classmethod
+    def device_count(cls) -> int:
+        """Visible NPUs, from the driver (no device context)."""
+        return npu.get().device_count()
+
+    # UE8M0 scale parameters are held in this dtype on the device (uint8 bytes; see
+    # ``TorchNPU.ue8m0_dtype``). The model asks the platform through vLLM's
+    # ``current_platform`` (``model_executor.layers.weights.ue8m0_dtype``); the layer decides.
+    ue8m0_storage_dtype: torch.dtype = _LAYER.ue8m0_dtype
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:
@@ -100,16 +106,40 @@ class DeepInferAscendPlatform(Platform):
     def manual_seed_all(cls, seed: int) -> None:
         npu.get().manual_seed_all(seed)
 
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        # First entry: what vLLM's "auto" picks for a float32 checkpoint.
+        return [torch.bfloat16, torch.float16] + ([torch.float32] if self.simulated else [])
+
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        """bfloat16 and float16 everywhere; float32 only on the simulated NPU.
+
+        A float32 model runs DeepInfer's reference numerics, which accumulate their fp32
+        islands in float64 (``ops/numerics.py``); the NPU's cube units have no float64
+        matmul, so on an NPU those GEMMs would leave the cube units or fail. The simulated
+        NPU computes on the host, where the float64 accumulation is the CPU platform's, and
+        its engine tests compare float32 tokens with the CPU reference bit for bit: they
+        test the worker and runner, which float32 makes exact, not the NPU's arithmetic."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return
+        if dtype == torch.float32:
+            if cls.simulated:
+                return
             raise ValueError(
-                f"DeepInfer's Ascend platform runs bfloat16, float16 or float32 models, not {dtype}"
+                "DeepInfer's Ascend platform does not run float32 models on an NPU: their reference "
+                "numerics accumulate in float64, which the NPU's cube units do not have. Serve "
+                "bfloat16 (--dtype bfloat16, the released checkpoint's dtype)."
             )
+        raise ValueError(f"DeepInfer's Ascend platform runs bfloat16 or float16 models, not {dtype}")
 
     @classmethod
     def inference_mode(cls):
-        return torch.no_grad()
+        # vLLM 0.32 asks no platform for this: its GPU worker and runner, which the NPU worker
+        # and runner are, decorate their steps with torch.inference_mode themselves. Anything
+        # that does ask gets the same mode (vLLM's CPU platform answers no_grad for its own
+        # CPU worker, which is not used here).
+        return torch.inference_mode()
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
@@ -129,9 +159,50 @@ class DeepInferAscendPlatform(Platform):
     def support_static_graph_mode(cls) -> bool:
         return False  # no graph capture on the NPU yet (eager)
 
+    # ------------------------------------------------------------ kernels, collectives
     @classmethod
     def import_kernels(cls) -> None:
+        """``torch_npu`` (the device and its operators); vLLM's own kernel libraries are
+        CUDA builds an Ascend host cannot load, so none is imported (nor when simulated)."""
         npu.get().load()
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        """The PyTorch kernels of ``kernels.py`` in place of the Triton kernels vLLM's device
+        runner and sampler launch (each worker, before its runner exists), whether or not a
+        Triton backend is importable."""
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        from deepinfer_vllm.platforms.ascend.kernels import KERNEL_OVERRIDES
+
+        register_kernels(KERNEL_OVERRIDES)
+        if cls.simulated:
+            cls._take_the_npu_sampler_branch()
+
+    @staticmethod
+    def _take_the_npu_sampler_branch() -> None:
+        """vLLM picks its sampler's kernels by ``is_cpu()``: on the NPU (an out-of-tree
+        platform) its PyTorch sampler (``TopKTopPSampler.forward_native``, greedy by
+        ``argmax``); on a CPU platform its C++ ops (``_C.fused_gumbel_argmax``,
+        ``_C.greedy_argmax``). The simulated NPU answers ``is_cpu()`` True for vLLM's host
+        execution settings, but loads no vLLM kernels, as on the NPU (``import_kernels``), so
+        its workers take the NPU's branch."""
+        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+        from vllm.v1.sample.sampler import Sampler
+
+        from deepinfer_vllm.platforms.ascend.kernels import greedy_sample
+
+        TopKTopPSampler.forward_cpu = TopKTopPSampler.forward_native
+        Sampler.greedy_sample = staticmethod(greedy_sample)
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        """vLLM's base communicator: every collective through ``torch.distributed`` on the
+        groups' device backend (HCCL on the NPU, gloo when simulated). vllm-ascend's
+        ``NPUCommunicator`` subclasses it for an all-to-all its MoE dispatch uses and
+        graph-capture fields; V4.1's expert exchange is all-gather and all-reduce, and
+        nothing is captured here."""
+        return "vllm.distributed.device_communicators.base_device_communicator.DeviceCommunicatorBase"
 
     # ------------------------------------------------------------ attention
     @classmethod
@@ -144,6 +215,21 @@ class DeepInferAscendPlatform(Platform):
         )
 
     # ------------------------------------------------------------ config
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config) -> None:
+        """Nothing: the block size is V4.1's config decision (``configure_v41``: 64 tokens or
+        the user's even size, the unit of its caches), made in ``check_and_update_config``.
+        vLLM's default would re-pick it from the attention backend (16 where the user named
+        none), and the CPU platform's only aligns hybrid Mamba models; vllm-ascend overrides
+        it for the same reason."""
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        """Allowed (vLLM's default refuses): a V4.1 layer has several caches (window,
+        compressed, indexer) under one layer index. vLLM's runner keeps every cache in one
+        flat list only to copy blocks in all of them and to release them; each cache is
+        bound to its own attention module by name."""
+
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
@@ -165,6 +251,8 @@ class DeepInferAscendPlatform(Platform):
         if model_config is None:
             cls._device_profile(vllm_config)
             return
+        # In the user's process, before any worker starts (the worker checks again).
+        cls.check_if_supports_dtype(model_config.dtype)
         settings = configure_v41(
             vllm_config, lambda: cls._device_profile(vllm_config), V41_NPU_WORKER, STOCK_NPU_WORKERS
         )

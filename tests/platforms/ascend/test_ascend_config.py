@@ -37,7 +37,7 @@ def npu_host(host, clean_env):
     return clean_env
 
 
-def _config(tiny_checkpoint, **user):
+def _config(tiny_checkpoint, dtype="bfloat16", **user):
     """A V4.1 engine config as the user asked it (``block_size`` as given, worker ``auto``)."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -47,7 +47,7 @@ def _config(tiny_checkpoint, **user):
     # Built without the stub: transformers probes for torch_npu while it loads.
     stub, sys.modules["torch_npu"] = sys.modules.get("torch_npu"), None
     try:
-        cfg = EngineArgs(model=tiny_checkpoint, dtype="float32", max_model_len=512, **user).create_engine_config()
+        cfg = EngineArgs(model=tiny_checkpoint, dtype=dtype, max_model_len=512, **user).create_engine_config()
     finally:
         sys.modules["torch_npu"] = stub
     cfg.parallel_config.worker_cls = "auto"
@@ -78,13 +78,18 @@ def test_simulated_attributes_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [
-        "cpu", "cpu", "CPU", "gloo", "True", "Ascend950PR", "(simulated)", "CpuCommunicator", "False"
+        "cpu", "cpu", "CPU", "gloo", "True", "Ascend950PR", "(simulated)", "DeviceCommunicatorBase", "False"
     ]
 
 
 def test_memory_and_name_come_from_the_device_layer(npu_host):
+    stub = sys.modules["torch_npu"]
     assert DeepInferAscendPlatform.get_device_name() == "Ascend950PR"
-    assert DeepInferAscendPlatform.get_device_total_memory(0) == 128 << 30
+    with pytest.raises(NotImplementedError):  # before this process selected its NPU
+        DeepInferAscendPlatform.get_device_total_memory(0)
+    assert stub.context_calls == []
+    DeepInferAscendPlatform.set_device(2)
+    assert DeepInferAscendPlatform.get_device_total_memory(2) == 128 << 30
     assert DeepInferAscendPlatform.get_current_memory_usage() == 2 << 20
 
 
@@ -121,9 +126,18 @@ def test_v41_defaults_on_an_npu(npu_host, tiny_checkpoint):
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.parallel_config.disable_custom_all_reduce is True
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-    assert os.environ["HCCL_BUFFSIZE"] == "16"
-    assert (os.environ["HCCL_CONNECT_TIMEOUT"], os.environ["HCCL_EXEC_TIMEOUT"]) == ("240", "200")
+    # HCCL's own defaults stand (200 MB buffers, 1836 s execution timeout): not set here.
+    assert "HCCL_BUFFSIZE" not in os.environ and "HCCL_EXEC_TIMEOUT" not in os.environ
+    assert os.environ["HCCL_CONNECT_TIMEOUT"] == "240"
     assert os.environ["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:False"
+    assert sys.modules["torch_npu"].context_calls == []  # the config decisions open no device
+
+
+def test_users_hccl_settings_are_kept(npu_host, tiny_checkpoint):
+    npu_host.setenv("HCCL_BUFFSIZE", "512")
+    npu_host.setenv("HCCL_EXEC_TIMEOUT", "600")
+    DeepInferAscendPlatform.check_and_update_config(_config(tiny_checkpoint))
+    assert (os.environ["HCCL_BUFFSIZE"], os.environ["HCCL_EXEC_TIMEOUT"]) == ("512", "600")
 
 
 def test_user_settings_are_kept(npu_host, tiny_checkpoint):
@@ -233,45 +247,61 @@ def test_vllms_compiled_sampler_op_runs_inside_the_simulated_torch_api(npu_host,
     assert got.tolist() == [2, 2]  # ranks: elements >= the value, the value included
 
 
-def _worker(**cache):
+def test_worker_refuses_sleep(npu_host):
     from deepinfer_vllm.platforms.ascend.worker import DeepInferNPUWorker
 
-    worker = object.__new__(DeepInferNPUWorker)
-    worker.device = "npu:0"
-    worker.cache_config = SimpleNamespace(gpu_memory_utilization=0.9, kv_cache_memory_bytes=None, **cache)
-    return worker
-
-
-def test_kv_budget_is_the_device_budget_less_use_and_step_peak(npu_host):
-    # The stub device: 128 GiB, half free, 1 MiB allocated now, 2 MiB at the step's peak.
-    total = 128 << 30
-    assert _worker()._kv_budget(npu.get()) == int(total * 0.9) - total // 2 - (1 << 20)
-    worker = _worker()
-    worker.cache_config.gpu_memory_utilization = 0.5
-    with pytest.raises(ValueError, match="No device memory left for the KV caches.*gpu-memory-utilization"):
-        worker._kv_budget(npu.get())
-
-
-def test_worker_refuses_sleep_and_offsets_data_parallel_engines(npu_host):
-    worker = _worker()
     with pytest.raises(ValueError, match="sleep mode"):
-        worker.sleep()
-    worker.parallel_config = SimpleNamespace(
-        distributed_executor_backend="mp", data_parallel_backend="mp", data_parallel_rank_local=1,
-        data_parallel_index=1, pipeline_parallel_size=1, tensor_parallel_size=4,
-    )
-    assert worker._dp_local_offset() == 4  # DP engine 1 of TP=4 starts at NPU 4
-    worker.parallel_config.distributed_executor_backend = "ray"
-    assert worker._dp_local_offset() == 0  # Ray assigns devices itself
+        object.__new__(DeepInferNPUWorker).sleep()
 
 
-def test_dtypes(npu_host):
+def test_dtypes_on_an_npu(npu_host):
+    """float32 routes to references that accumulate in float64, which the NPU's cube units
+    lack: refused by name, in the user's process already (config) and in the worker."""
     import torch
 
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        DeepInferAscendPlatform.check_if_supports_dtype(dtype)
-    with pytest.raises(ValueError, match="float64"):
-        DeepInferAscendPlatform.check_if_supports_dtype(torch.float64)
+    p = DeepInferAscendPlatform
+    for dtype in (torch.bfloat16, torch.float16):
+        p.check_if_supports_dtype(dtype)
+    with pytest.raises(ValueError, match="does not run float32 models on an NPU.*--dtype bfloat16"):
+        p.check_if_supports_dtype(torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16 models, not torch.float64"):
+        p.check_if_supports_dtype(torch.float64)
+    assert p().supported_dtypes == [torch.bfloat16, torch.float16]  # "auto" of a float32 checkpoint: bf16
+
+
+def test_float32_config_is_refused_before_any_worker(npu_host, tiny_checkpoint):
+    cfg = _config(tiny_checkpoint, dtype="float32")
+    with pytest.raises(ValueError, match="does not run float32 models on an NPU"):
+        DeepInferAscendPlatform.check_and_update_config(cfg)
+
+
+def test_float32_runs_on_the_simulated_npu_in_a_fresh_process():
+    """The simulated NPU keeps float32 (host arithmetic; its engine tests compare float32
+    tokens with the CPU reference bit for bit); the same class refuses it on an NPU."""
+    code = (
+        "import torch\n"
+        "from deepinfer_vllm.platforms.ascend.platform import DeepInferAscendPlatform as P\n"
+        "P.check_if_supports_dtype(torch.float32)\n"
+        "print(P.simulated, torch.float32 in P().supported_dtypes, P.ue8m0_storage_dtype)\n"
+    )
+    env = dict(os.environ, DEEPINFER_SIMULATED_NPU="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "torch.uint8"]
+
+
+def test_inference_mode_is_torchs(npu_host):
+    import torch
+
+    with DeepInferAscendPlatform.inference_mode():
+        assert torch.is_inference_mode_enabled()
+        assert torch.ones(2).is_inference()
+
+
+def test_ue8m0_scales_are_bytes_on_the_npu(npu_host):
+    import torch
+
+    assert DeepInferAscendPlatform.ue8m0_storage_dtype == npu.get().ue8m0_dtype == torch.uint8
 
 
 def test_vllm_class_choice_is_refused_by_name(npu_host, tiny_checkpoint):

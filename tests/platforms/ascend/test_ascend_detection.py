@@ -197,8 +197,8 @@ def test_device_layer_calls_go_to_torch_npu(host):
     assert layer.is_available() and layer.device_count() == 2
     assert layer.soc_name(1) == "Ascend950DT"
     assert layer.mem_get_info() == (64 << 30, 128 << 30)
-    assert layer.total_memory(0) == 128 << 30
     layer.set_device(1)
+    assert layer.total_memory(1) == 128 << 30
     layer.synchronize()
     layer.manual_seed_all(7)
     layer.empty_cache()
@@ -228,6 +228,62 @@ def test_broken_torch_npu_is_no_npu(host):
 
     stub.npu.device_count = boom
     stub.npu.get_device_name = boom
+    stub._C._npu_getDeviceName = boom
     layer = npu.TorchNPU()
     assert layer.device_count() == 0 and layer.soc_name() is None
     assert ascend.ascend_platform_plugin() is None
+
+
+def test_detection_and_platform_queries_open_no_device(host):
+    """vLLM resolves the platform and asks its device name and memory in the API server and
+    the engine core too: none of it may call a torch_npu function that initialises the device
+    (a context on NPU 0 for the life of the process)."""
+    from deepinfer_vllm.platforms.ascend.platform import DeepInferAscendPlatform as P
+
+    stub = host(soc="Ascend950DT", count=4)
+    assert ascend.ascend_platform_plugin() == OURS
+    assert P.get_device_name() == "Ascend950DT" and P.device_count() == 4
+    with pytest.raises(NotImplementedError, match="after it selected its device"):
+        P.get_device_total_memory()
+    assert stub.context_calls == []
+
+
+def test_vllm_batch_defaults_fall_back_without_touching_the_npu(host, monkeypatch):
+    """vLLM's API server sizes its default batch from the device's memory and catches a
+    refusal: the defaults for an unknown device, and no device context."""
+    from vllm.engine import arg_utils
+    from vllm.usage.usage_lib import UsageContext
+
+    from deepinfer_vllm.platforms.ascend.platform import DeepInferAscendPlatform
+
+    stub = host(soc="Ascend950PR")
+    monkeypatch.setattr(arg_utils, "current_platform", DeepInferAscendPlatform())
+    tokens, seqs = arg_utils.EngineArgs.get_batch_defaults(world_size=1)
+    # vLLM's values for a device below 70 GiB or of unknown memory (arg_utils.get_batch_defaults).
+    assert (tokens[UsageContext.LLM_CLASS], tokens[UsageContext.OPENAI_API_SERVER]) == (8192, 2048)
+    assert seqs[UsageContext.LLM_CLASS] == 256
+    assert stub.context_calls == []
+
+
+def test_memory_and_soc_after_the_worker_selected_its_npu(host):
+    stub = host(soc="Ascend950PR", soc_binding=False)
+    layer = npu.get()
+    assert layer.soc_name() is None  # older torch_npu: its get_device_name would open NPU 0
+    assert stub.context_calls == []
+    layer.set_device(5)
+    assert layer.selected == 5
+    assert layer.soc_name(5) == "Ascend950PR" and layer.total_memory(5) == 128 << 30
+    assert stub.context_calls == ["set_device", "get_device_name", "get_device_properties"]
+
+
+@pytest.mark.parametrize("mode, ours", [("auto", False), ("ascend", True)])
+def test_soc_unreadable_without_a_device(host, clean_env, log_lines, mode, ours):
+    """A torch_npu without the context-free SoC query: the platform stands aside in ``auto``
+    (it cannot tell a 950) and says how to choose it; ``ascend`` takes the host."""
+    stub = host(soc="Ascend950PR", soc_binding=False)
+    clean_env.setenv("DEEPINFER_PLATFORM", mode)
+    with log_lines("deepinfer_vllm.platforms.ascend") as logged:
+        assert (ascend.ascend_platform_plugin() == OURS) is ours
+    text = "\n".join(logged)
+    assert "gives their SoC name only after opening a device" in text
+    assert ("DEEPINFER_PLATFORM=ascend" in text) and stub.context_calls == []

@@ -8,6 +8,12 @@ enough to preempt, and a prefix-cache hit on a repeated prompt. Its greedy
 tokens must equal the reference's (as on the CPU platform, see
 tests/e2e/test_llm_chunked_preemption.py), and its log must name the Ascend
 platform as on a real 950.
+
+Every process of every engine here runs as on an Ascend host without Triton
+(``TRITON_GUARD``): ``triton`` cannot be imported, so vLLM's Triton kernels
+are placeholders, and launching one records its name and raises. Each test
+checks that nothing was recorded: the platform's PyTorch kernels
+(``platforms/ascend/kernels.py``) ran instead.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ SCRIPT = textwrap.dedent(
         from vllm import LLM, SamplingParams
         from vllm.platforms import current_platform
         model, prompts, extra = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+        mixed = extra.pop("mixed_sampling", False)
         settings = dict(max_num_batched_tokens=32, num_gpu_blocks_override=24)
         settings.update(extra)
         llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enable_chunked_prefill=True,
@@ -47,9 +54,20 @@ SCRIPT = textwrap.dedent(
         hits0 = metric("vllm:prefix_cache_hits")
         again = list(llm.generate([{"prompt_token_ids": prompts[2]}], greedy)[0].outputs[0].token_ids)
         hits = metric("vllm:prefix_cache_hits") - hits0
+        mixed_out, mixed_drafts = None, None
+        if mixed:
+            # One batch of a greedy, a seeded top-k/top-p and an unseeded top-p request.
+            sampled = dict(max_tokens=16, ignore_eos=True)
+            params = [greedy, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, **sampled),
+                      SamplingParams(temperature=1.0, top_p=0.95, **sampled)]
+            drafts0 = metric("vllm:spec_decode_num_drafts")
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            mixed_out = [list(o.outputs[0].token_ids) for o in outs]
+            mixed_drafts = metric("vllm:spec_decode_num_drafts") - drafts0
         cfg = llm.llm_engine.vllm_config
         runner = llm.collective_rpc("deepinfer_runner_info")[0]
         print("RESULT " + json.dumps({
+            "mixed": mixed_out, "mixed_drafts": mixed_drafts,
             "platform": type(current_platform).__name__,
             "device": current_platform.get_device_name(),
             "worker_cls": cfg.parallel_config.worker_cls,
@@ -61,8 +79,62 @@ SCRIPT = textwrap.dedent(
 )
 
 
-# Negative control, loaded by every process of the engine (they are spawned): the runner's
-# host staging buffers never reach their device twins.
+# Loaded by every process of an engine (they are spawned), before anything imports vLLM: no
+# Triton, as on an Ascend host (vLLM's HAS_TRITON is False and its kernels are placeholders),
+# and a placeholder that is launched (``kernel[grid]``, ``.run``, ``.warmup``) appends its
+# name to the file named by DEEPINFER_TEST_TRITON_LAUNCHES and raises.
+TRITON_GUARD = textwrap.dedent(
+    """
+    import inspect, os, sys
+    sys.modules["triton"] = None
+    import vllm.triton_utils
+
+    class _Unlaunchable:
+        def __init__(self, fn):
+            self.fn, self.arg_names = fn, tuple(inspect.signature(fn).parameters)
+            self.__name__, self.__qualname__, self.__module__ = fn.__name__, fn.__qualname__, fn.__module__
+
+        def __getitem__(self, grid):
+            name = f"{self.__module__}.{self.__qualname__}"
+            with open(os.environ["DEEPINFER_TEST_TRITON_LAUNCHES"], "a") as f:
+                f.write(name + "\\n")
+            raise RuntimeError(f"Triton kernel launched on the NPU path: {name}")
+
+        def __getattr__(self, attr):  # Triton's other launch paths
+            if attr in ("run", "warmup"):
+                self[None]
+            raise AttributeError(attr)
+
+        def __call__(self, *args, **kwargs):
+            return self.fn(*args, **kwargs)
+
+    def _jit(*args, **kwargs):
+        return _Unlaunchable(args[0]) if args and callable(args[0]) else _Unlaunchable
+
+    assert not vllm.triton_utils.HAS_TRITON
+    vllm.triton_utils.triton.jit = _jit
+    """
+)
+
+
+def _guarded(directory: Path, env: dict, extra_site: str = "") -> Path:
+    """``env`` updated so that the processes it starts run under ``TRITON_GUARD`` (and
+    ``extra_site``); returns the file that records launched Triton kernels."""
+    site = directory / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(TRITON_GUARD + extra_site)
+    launches = directory / "triton_launches.txt"
+    inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), inherited]))
+    env["DEEPINFER_TEST_TRITON_LAUNCHES"] = str(launches)
+    return launches
+
+
+def _no_triton_launch(launches: Path) -> None:
+    assert not launches.exists(), f"Triton kernels launched:\n{launches.read_text()}"
+
+
+# Negative control: the runner's host staging buffers never reach their device twins.
 DROP_COPIES = textwrap.dedent(
     """
     from vllm.v1.utils import CpuGpuBuffer
@@ -75,18 +147,15 @@ def _run(checkpoint, prompts, tmp_path, drop_copies=False, **extra) -> tuple[dic
     script = tmp_path / "run_simulated_npu.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, DEEPINFER_SIMULATED_NPU="1", VLLM_CPU_KVCACHE_SPACE="1")
-    if drop_copies:
-        site = tmp_path / "site"
-        site.mkdir()
-        (site / "sitecustomize.py").write_text(DROP_COPIES)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    launches = _guarded(tmp_path, env, DROP_COPIES if drop_copies else "")
     for name in ("DEEPINFER_PLATFORM", "VLLM_TARGET_DEVICE", "VLLM_PLUGINS"):
         env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, str(script), checkpoint, json.dumps(prompts), json.dumps(extra)],
-        env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
+        check=False, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
     )
     log = proc.stdout + proc.stderr
+    _no_triton_launch(launches)
     assert proc.returncode == 0, log[-6000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["platform"] == "DeepInferAscendPlatform"
@@ -120,10 +189,16 @@ def test_simulated_npu_dspark_is_lossless(tiny_dspark_checkpoint, acceptance_pro
         tiny_dspark_checkpoint, acceptance_prompts, tmp_path,
         max_num_batched_tokens=64, num_gpu_blocks_override=64,
         speculative_config={"method": "dspark", "num_speculative_tokens": 3, "enable_adaptive_verification": True},
+        mixed_sampling=True,
     )
     assert result["batched"] == reference_greedy
     assert result["again"] == reference_greedy[2]
     assert result["drafts"] > 0, "nothing was drafted"
+    # Greedy and sampled requests verified in one batch (both rejection kernels, recovered
+    # tokens, top-k/top-p, seeded and unseeded draws): the greedy one keeps its tokens.
+    assert result["mixed_drafts"] > 0, "nothing was drafted in the mixed batch"
+    assert result["mixed"][0] == reference_greedy[0]
+    assert all(len(tokens) == 16 for tokens in result["mixed"])
     assert "dspark=k=3 adaptive=True" in log
 
 
@@ -146,8 +221,9 @@ def npu_server(tiny_checkpoint, tmp_path_factory):
     args = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
             "--max-num-batched-tokens", "32"]
     env = {"DEEPINFER_SIMULATED_NPU": "1", "DEEPINFER_PLATFORM": "auto"}
+    launches = _guarded(log_path.parent, env)
     with openai_server(tiny_checkpoint, args, log_path, env=env) as url:
-        yield url, log_path
+        yield url, log_path, launches
 
 
 @pytest.mark.xdist_group("npu_server")
@@ -158,7 +234,7 @@ def test_simulated_npu_server_prompt_logprobs_equal_the_reference(
     ``torch.Event`` that was not a type): greedy tokens and prompt logprobs as the reference's."""
     import torch
 
-    url, log_path = npu_server
+    url, log_path, launches = npu_server
     for prompt, want in zip(acceptance_prompts, reference_greedy):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                 "prompt_logprobs": 1, "return_token_ids": True}
@@ -173,6 +249,7 @@ def test_simulated_npu_server_prompt_logprobs_equal_the_reference(
         )
         assert worst < 1e-4, worst
     assert "DeepInfer's Ascend platform runs on Ascend950PR (simulated)" in log_path.read_text()
+    _no_triton_launch(launches)
 
 
 @pytest.mark.xdist_group("npu_server")
@@ -180,3 +257,4 @@ def test_request_options_simulated_npu(npu_server):
     outcomes = run_matrix(Server(npu_server[0]))
     print(outcomes)
     assert all(v == "answered" for v in outcomes.values()), outcomes
+    _no_triton_launch(npu_server[2])
