@@ -43,7 +43,9 @@ def ue8m0_dtype() -> torch.dtype:
     every reader (``ops.quant``) takes either dtype, so the numbers are the same."""
     import vllm.platforms
 
-    return getattr(vllm.platforms.current_platform, "ue8m0_storage_dtype", None) or torch.float8_e8m0fnu
+    # On the class: vLLM's Platform.__getattr__ would warn about the name on other platforms.
+    platform_cls = type(vllm.platforms.current_platform)
+    return getattr(platform_cls, "ue8m0_storage_dtype", None) or torch.float8_e8m0fnu
 
 
 class V41Norm(nn.Module):
