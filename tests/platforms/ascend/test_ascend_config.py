@@ -67,6 +67,15 @@ def test_device_attributes():
     assert p.support_hybrid_kv_cache() and not p.support_static_graph_mode()
 
 
+def _simulated_stdout(code: str) -> list[str]:
+    """The words ``code`` prints in a fresh process on the simulated NPU (vLLM resolves its
+    platform once per process)."""
+    env = dict(os.environ, DEEPINFER_SIMULATED_NPU="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
 def test_simulated_attributes_in_a_fresh_process():
     code = (
         "from deepinfer_vllm.platforms.ascend.platform import DeepInferAscendPlatform as P\n"
@@ -74,10 +83,7 @@ def test_simulated_attributes_in_a_fresh_process():
         "print(P.device_name, P.device_type, P.dispatch_key, P.dist_backend, p.is_cpu(), P.get_device_name(),\n"
         "      P.get_device_communicator_cls().rsplit('.', 1)[1], P.is_pin_memory_available())\n"
     )
-    env = dict(os.environ, DEEPINFER_SIMULATED_NPU="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == [
+    assert _simulated_stdout(code) == [
         "cpu", "cpu", "CPU", "gloo", "True", "Ascend950PR", "(simulated)", "DeviceCommunicatorBase", "False"
     ]
 
@@ -284,10 +290,7 @@ def test_float32_runs_on_the_simulated_npu_in_a_fresh_process():
         "P.check_if_supports_dtype(torch.float32)\n"
         "print(P.simulated, torch.float32 in P().supported_dtypes, P.ue8m0_storage_dtype)\n"
     )
-    env = dict(os.environ, DEEPINFER_SIMULATED_NPU="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "True", "torch.uint8"]
+    assert _simulated_stdout(code) == ["True", "True", "torch.uint8"]
 
 
 def test_inference_mode_is_torchs(npu_host):
