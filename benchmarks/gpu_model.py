@@ -46,40 +46,6 @@ PREFILL_TOKENS = 8192
 E8M0_SCALE = 121  # 2^-6: weights of random e4m3 / e2m1 codes come out at ~0.02
 
 
-DESIGNS = {
-    1: "the per-token chains on the PyTorch references, wo_a one GEMM per group",
-    2: "mHC sites on the Triton kernels (ops/triton/mhc.py), RMSNorm / RoPE references, wo_a per group",
-    3: "mHC, RMSNorm and RoPE on the Triton kernels, wo_a one block-diagonal GEMM (the model as built)",
-}
-
-
-def use_design(design: int) -> None:
-    """Run the layer as measured design ``design`` (``DESIGNS``; the latest is the model's)."""
-    os.environ["DEEPINFER_FUSED_KERNELS"] = "torch" if design == 1 else "auto"
-    if design >= 3:
-        return
-    from deepinfer_vllm.model_executor.layers import dequant
-    from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
-    from deepinfer_vllm.model_executor.layers.weights import V41Norm
-    from deepinfer_vllm.model_executor.quantization import V41Fp8LinearMethod
-    from deepinfer_vllm.ops.norm import rms_norm
-    from deepinfer_vllm.ops.rope import apply_rope_tail
-
-    def per_group(self, layer, x):
-        rows = layer.weight.shape[0] // x.shape[1]
-        parts = [
-            dequant.gemm_fp8(
-                x[:, g], layer.weight[g * rows :][:rows], layer.scale[g * rows // 32 :][: rows // 32]
-            )
-            for g in range(x.shape[1])
-        ]
-        return torch.stack(parts, dim=1)
-
-    V41Fp8LinearMethod.apply_grouped = per_group
-    V41Norm.forward = lambda self, x: rms_norm(x, self.weight, self.eps)
-    V41Attention._rope = lambda self, x, pos, inverse=False: apply_rope_tail(x, pos, self.rope_cache, inverse)
-
-
 def layer_config(preset: str) -> dict:
     """The preset's config cut to one full CSA2 layer (ratio 2, KV, index source)."""
     from deepinfer_vllm.tools.presets import get_preset
@@ -246,13 +212,13 @@ def profile(fn, device, steps: int = 3, rows: int = 30) -> None:
 
 
 ANNOTATED = {
-    "deepinfer_vllm.model_executor.models.deepseek_v41": ("collapse_norm", "expand"),
-    "deepinfer_vllm.model_executor.layers.v41_mhc:HyperConnection": ("mix",),
+    "deepinfer_vllm.model_executor.models.deepseek_v41": ("collapse_norm",),
+    "deepinfer_vllm.model_executor.layers.v41_mhc:HyperConnection": ("mix", "expand"),
     "deepinfer_vllm.model_executor.layers.v41_attention:V41Attention": (
         "forward",
         "write_compressed",
         "_select",
-        "_attend_with_kernels",
+        "_attend",
         "_grouped_wo_a",
     ),
     "deepinfer_vllm.model_executor.layers.v41_moe:V41MoE": ("forward",),
@@ -304,15 +270,7 @@ def main() -> None:
         action="store_true",
         help="also print the kernels of each case's eager step by device time",
     )
-    parser.add_argument(
-        "--design",
-        type=int,
-        choices=sorted(DESIGNS),
-        default=max(DESIGNS),
-        help="; ".join(f"{k}: {v}" for k, v in DESIGNS.items()),
-    )
     args = parser.parse_args()
-    use_design(args.design)
     from v41_harness import PagedHarness
 
     from deepinfer_vllm.tools.make_checkpoint import write_config

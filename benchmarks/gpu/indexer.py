@@ -90,13 +90,11 @@ def make_queries(T: int, device: str | None = None):
 # Gluon kernel on fp8 wgmma (mode 5: cp.async ring of 4 stages, program length from
 # ``indexer_gluon.program_tiles``) on sm90.
 SCORE_VARIANTS = [
-    ("mode 4 gluon fp16 wgmma", dict(mode=4)),
     ("mode 3 tl fp16", dict(mode=3)),
-    ("mode 0 dot_scaled", dict(mode=0)),
     ("gluon stages=3", dict(stages=3)),
     ("gluon stages=6", dict(stages=6)),
     ("gluon tiles=64", dict(tiles=64)),
-    ("gluon tiles=256 (rule before run 9)", dict(tiles=256)),
+    ("gluon tiles=256 (power-of-two rule)", dict(tiles=256)),
 ]
 VARIANT_SHAPES = ((128, 32768), (256, 131072))
 
@@ -248,7 +246,7 @@ def sweep() -> None:
     """Scores launch parameters and top-k digit widths on one decode shape each (not in ``run``)."""
     B, ctx = 128, 32768
     cache, bt, q, w, req, vis = decode_inputs(B, ctx)
-    for mode in (3, 0):
+    for mode in (3,):
         for pf in (0, 1, 2):
             for bn, nw in [(64, 4), (128, 4), (128, 8), (256, 8)]:
                 for tiles in (2, 4, 8):

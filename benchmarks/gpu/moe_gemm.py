@@ -28,7 +28,7 @@ EXPERTS, LOCAL, TOP_K = 384, 48, 6
 GEMMS = [("w13", 4608, 5120), ("w2", 5120, 2304)]
 DECODE_TOKENS = (1, 64, 256)
 PREFILL_TOKENS = 8192
-MODES = [("bf16", "bf16"), ("mxfp8", "fp8"), ("mxfp8", "bf16")]
+ACTS = ["bf16", "mxfp8"]
 SWEEP_DECODE = [
     dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=1),
     dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=2),
@@ -71,23 +71,23 @@ def _cfg_name(cfg: dict) -> str:
     return "/".join(f"{k}{v}" for k, v in cfg.items())
 
 
-def _rows(tokens: int, modes, configs=(None,), label: str = "") -> list[Row]:
+def _rows(tokens: int, acts, configs=(None,), label: str = "") -> list[Row]:
     rows = []
     offs, r, touched = routing(tokens, seed=tokens)
     for name, n, k in GEMMS if not configs[0] else GEMMS[:1]:
         w, s = experts(n, k)
         x = torch.randn(r, k, device="cuda").to(torch.bfloat16)
         expert_bytes = touched * (n * k // 2 + n * k // 32)
-        for act, design in modes:
+        for act in acts:
             for cfg in configs:
                 try:
-                    t = time_s(lambda: grouped_fp4_gemm(x, offs, w, s, act, design=design, config=cfg))
+                    t = time_s(lambda: grouped_fp4_gemm(x, offs, w, s, act, config=cfg))
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    print(f"# sweep {act}/{design} {cfg}: {type(exc).__name__}", flush=True)
+                    print(f"# sweep {act} {cfg}: {type(exc).__name__}", flush=True)
                     continue
                 rows.append(
                     Row(
-                        kernel=f"{label}grouped_fp4_gemm {name} act={act} design={design}",
+                        kernel=f"{label}grouped_fp4_gemm {name} act={act}",
                         shape=f"T={tokens} rows={r} experts={touched}/{LOCAL}"
                         + (f" {_cfg_name(cfg)}" if cfg else ""),
                         seconds=t,
@@ -102,11 +102,11 @@ def run(ceilings: Ceilings) -> list[Row]:
     torch.manual_seed(0)
     rows = []
     for tokens in DECODE_TOKENS + (PREFILL_TOKENS,):
-        rows += _rows(tokens, MODES)
+        rows += _rows(tokens, ACTS)
     if os.environ.get("GEMM_SWEEP", "1") == "1":
-        rows += _rows(1, MODES[:1], SWEEP_DECODE, "sweep ")
-        rows += _rows(64, MODES[:1], SWEEP_DECODE, "sweep ")
-        rows += _rows(PREFILL_TOKENS, MODES[:1], SWEEP_PREFILL, "sweep ")
+        rows += _rows(1, ACTS[:1], SWEEP_DECODE, "sweep ")
+        rows += _rows(64, ACTS[:1], SWEEP_DECODE, "sweep ")
+        rows += _rows(PREFILL_TOKENS, ACTS[:1], SWEEP_PREFILL, "sweep ")
     return rows
 
 

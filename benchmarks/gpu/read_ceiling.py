@@ -1,5 +1,5 @@
 """What a plain reader gets out of the indexer's access patterns: the ceiling its kernels are
-compared with in ``benchmarks/README.md`` (run 11). ``python benchmarks/gpu/indexer.py
+compared with in ``benchmarks/HISTORY.md``, run 11. ``python benchmarks/gpu/indexer.py
 --read-ceiling`` prints, per shape, the indexer's time and that of a Triton kernel that only
 reads the same bytes (whole pages of the block tables for dense rows, the kept blocks' 512 value
 and 32 scale bytes for the candidate path) and writes one word per page or block."""

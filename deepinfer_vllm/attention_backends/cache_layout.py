@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_vllm.configs import LayerRole, V41Arch
-from deepinfer_vllm.model_executor.checkpoint import dspark_prefix
+from deepinfer_vllm.configs.checkpoint import dspark_prefix
 from deepinfer_vllm.ops.paged_records import RecordFormat
 
 WINDOW_FORMAT = "mxfp8"
@@ -124,7 +124,7 @@ def model_caches(arch: V41Arch, dspark: bool = False) -> list[CacheDecl]:
     (they exist only while DSpark speculative decoding is on)."""
     decls = [d for role in arch.roles for d in layer_caches(arch, role)]
     if dspark:
-        for k, role in enumerate(arch.mtp_roles):
+        for k, role in enumerate(arch.dspark_roles):
             decls += layer_caches(arch, role, f"{dspark_prefix(k)}.attn")
     if arch.engram_layer_ids:
         decls.append(CacheDecl(TOKEN_HISTORY, "tokens", sliding_window=arch.engram_max_ngram_size))
@@ -135,7 +135,7 @@ def bytes_per_token(decls: list[CacheDecl], block_size: int = 64) -> dict[str, f
     """Unpadded bytes per token by kind, from the specs (the ring is per request).
 
     ``global`` = compressed KV + index keys, the part that grows with context
-    (spec §10.2: 890 B/token for Flash); ``window`` is bounded by the window.
+    (docs/architecture.md, "Bytes per token": 890 B/token for Flash); ``window`` is bounded by the window.
     """
     totals: dict[str, float] = {}
     for decl in decls:

@@ -9,6 +9,7 @@
 from deepinfer_vllm.configs.arch import V41Arch
 from deepinfer_vllm.configs.hf_config import (
     ARCHITECTURE,
+    DSPARK_DRAFT_ARCHITECTURE,
     MODEL_TYPE,
     ConfigError,
     DeepseekV41Config,
@@ -19,6 +20,7 @@ from deepinfer_vllm.configs.roles import LayerRole
 
 __all__ = [
     "ARCHITECTURE",
+    "DSPARK_DRAFT_ARCHITECTURE",
     "MODEL_TYPE",
     "ConfigError",
     "DeepseekV41Config",

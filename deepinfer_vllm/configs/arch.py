@@ -1,4 +1,7 @@
-"""``V41Arch``: a frozen, validated record of every dimension the model code needs (spec §2, §3).
+"""``V41Arch``: a frozen, validated record of every dimension the model code needs.
+
+The keys and their Flash values: docs/architecture.md, "Configuration" and "Layer schedule and
+roles".
 
 Built from a config object or config.json dict (nested or flat) with the
 per-layer role table (``configs.roles``). Invalid values raise ``ConfigError``
@@ -15,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_vllm.configs.hf_config import MODEL_TYPE, ConfigError, DeepseekV41Config
-from deepinfer_vllm.configs.roles import LayerRole, build_roles, mtp_roles
+from deepinfer_vllm.configs.roles import LayerRole, build_roles, dspark_roles
 
 __all__ = ["V41Arch"]
 
-# What ``quantization_config`` must say (spec §2.4, design §1.1).
+# What ``quantization_config`` must say (docs/architecture.md, "Quantisation config"; DeepInfer
+# accepts only this: docs/design-notes.md, "Configuration checks").
 _QUANT_METHODS = ("fp8", "deepseek_v4_fp8")
 _QUANT_REQUIRED: dict[str, tuple[Any, ...]] = {
     "weight_block_size": ([32, 32],),
@@ -87,7 +91,7 @@ class V41Arch:
     engram_pad_token_id: int
     engram_compressed_vocab_size: int | None
     # DSpark
-    num_mtp_layers: int
+    num_dspark_layers: int
     dspark_block_size: int
     dspark_noise_token_id: int
     dspark_target_layer_ids: tuple[int, ...]
@@ -109,7 +113,7 @@ class V41Arch:
     # Layer schedule
     compress_ratios: tuple[int, ...]
     roles: tuple[LayerRole, ...]
-    mtp_roles: tuple[LayerRole, ...]
+    dspark_roles: tuple[LayerRole, ...]
     first_decoder_layer: int
     kv_source_layers: tuple[int, ...]
     index_source_layers: tuple[int, ...]
@@ -280,7 +284,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
     t = _Section("text_config.", text_values)
     _check_quantization(cfg.get("quantization_config") or {})
 
-    # Fixed choices of the architecture (design §1.1 _assert_supported).
+    # Fixed choices of the architecture (docs/design-notes.md, "Configuration checks").
     t.expect("hidden_act", ("silu",), "silu")
     t.expect("num_key_value_heads", (1,), 1)
     t.expect("attention_bias", (False,), False)
@@ -289,7 +293,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
     t.expect("scoring_func", ("sqrtsoftplus",), "sqrtsoftplus")
     t.expect("topk_method", ("noaux_tc",), "noaux_tc")
     t.expect("n_group", (1,), 1)
-    t.expect("hc_shifted", (True,), True)  # single-pass mHC, no hc_head (spec §4)
+    t.expect("hc_shifted", (True,), True)  # single-pass mHC, no hc_head ("Forward pass")
 
     vocab = t.int("vocab_size", minimum=1)
     hidden = t.int("hidden_size", minimum=1)
@@ -340,19 +344,19 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
     window = t.int("sliding_window", minimum=1)
 
     # Layer schedule.
-    num_mtp = t.int("num_nextn_predict_layers", t.raw("n_mtp_layers", 0))
+    num_dspark = t.int("num_nextn_predict_layers", t.raw("n_dspark_layers", 0))
     ratios_all = t.ints("compress_ratios")
-    if len(ratios_all) not in (n_layers, n_layers + num_mtp):
+    if len(ratios_all) not in (n_layers, n_layers + num_dspark):
         raise t.error(
             "compress_ratios",
             f"has {len(ratios_all)} entries; expected num_hidden_layers ({n_layers}) or "
-            f"num_hidden_layers + num_nextn_predict_layers ({n_layers + num_mtp})",
+            f"num_hidden_layers + num_nextn_predict_layers ({n_layers + num_dspark})",
         )
     bad = sorted({r for r in ratios_all if r not in (0, 1, 2)})
     if bad:
         raise t.error("compress_ratios", f"ratios {bad} are not supported; V4.1 uses 0, 1 and 2")
     if any(ratios_all[n_layers:]):
-        raise t.error("compress_ratios", "DSpark (MTP) entries must be 0 (SWA-only)")
+        raise t.error("compress_ratios", "DSpark entries must be 0 (SWA-only)")
     ratios = ratios_all[:n_layers]
     kv_ids = t.layer_ids("kv_source_layer_ids", n_layers, [])
     index_ids = t.layer_ids("index_source_layer_ids", n_layers, [])
@@ -382,7 +386,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
             f"positions cannot hold index_topk={index_topk}",
         )
 
-    # Engram (spec §8).
+    # Engram (docs/architecture.md, "Engram").
     engram_rows = t.ints("engram_num_embeddings", [])
     engram_max_ngram = t.int("engram_max_ngram_size", 0)
     engram_heads = t.int("engram_n_heads", 0)
@@ -408,9 +412,9 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
             raise t.error("engram_head_dim", f"must be >= 32, got {engram_head_dim}")
         _check_multiple(t, "engram_head_dim", engram_head_dim, 32, "Engram row scales per 32 values")
 
-    # DSpark (spec §13).
+    # DSpark (docs/architecture.md, "DSpark").
     targets = t.ints("dspark_target_layer_ids", [])
-    if num_mtp:
+    if num_dspark:
         if not targets:
             raise t.error("dspark_target_layer_ids", "DSpark layers need at least one target layer")
         outside = [i for i in targets if not 0 <= i < n_layers]
@@ -421,7 +425,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
     if d_top_k > d_experts:
         raise t.error("dspark_num_experts_per_tok", f"{d_top_k} exceeds dspark_n_routed_experts {d_experts}")
     noise = t.int("dspark_noise_token_id", 128799)
-    if num_mtp and noise >= vocab:
+    if num_dspark and noise >= vocab:
         raise t.error("dspark_noise_token_id", f"{noise} is outside the vocabulary ({vocab})")
 
     # Token ids live at the top level; fall back to text_config, then to Flash.
@@ -433,7 +437,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
             raise section.error(key, f"{ids[key]} is outside the vocabulary ({vocab})")
     image_token_id = top.int("image_token_id", 129264)
 
-    # Vision (spec §2.3); an absent tower has 0 layers.
+    # Vision (docs/architecture.md, "Vision config"); an absent tower has 0 layers.
     v = _Section("vision_config.", cfg.get("vision_config") or {})
     vision_layers = v.int("num_hidden_layers", 0)
     vision_dim = v.int("hidden_size", 1024, minimum=1)
@@ -494,7 +498,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
         engram_compressed_vocab_size=t.int("engram_compressed_vocab_size", None, minimum=1)
         if t.raw("engram_compressed_vocab_size", None) is not None
         else None,
-        num_mtp_layers=num_mtp,
+        num_dspark_layers=num_dspark,
         dspark_block_size=t.int("dspark_block_size", 5, minimum=1),
         dspark_noise_token_id=noise,
         dspark_target_layer_ids=targets,
@@ -514,7 +518,7 @@ def _build_arch(cfg: Mapping[str, Any]) -> V41Arch:
         vision_max_wh_ratio=None if max_wh is None else v.float("max_wh_ratio"),
         compress_ratios=ratios,
         roles=roles,
-        mtp_roles=mtp_roles(n_layers, num_mtp),
+        dspark_roles=dspark_roles(n_layers, num_dspark),
         first_decoder_layer=first_decoder,
         kv_source_layers=kv_ids,
         index_source_layers=index_ids,

@@ -1,4 +1,6 @@
-"""``DeepseekV41Config``: the Transformers config class of DeepSeek-V4.1 (spec §2).
+"""``DeepseekV41Config``: the Transformers config class of DeepSeek-V4.1.
+
+The keys: docs/architecture.md, "Configuration".
 
 The release nests the language model under ``text_config``; vLLM reads flat
 attributes, so every text key is also exposed at the top level. ``to_dict``
@@ -17,6 +19,7 @@ from transformers import PretrainedConfig
 
 __all__ = [
     "ARCHITECTURE",
+    "DSPARK_DRAFT_ARCHITECTURE",
     "MODEL_TYPE",
     "TEXT_MODEL_TYPE",
     "ConfigError",
@@ -26,18 +29,24 @@ __all__ = [
 ]
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
+# vLLM's architecture for V4.1's DSpark draft when it builds the draft's config itself
+# (``SpeculativeConfig`` rewrites ``model_type`` to ``deepseek_mtp``).
+DSPARK_DRAFT_ARCHITECTURE = "DSparkV41DraftModel"
 MODEL_TYPE = "deepseek_v41"
 TEXT_MODEL_TYPE = "deepseek_v41_text"
 
 
 def is_v41_config(hf_config: Any) -> bool:
-    """A V4.1 checkpoint's config (by ``model_type``, or by architecture when a
-    loader rewrote the type), whichever class serves it."""
+    """A V4.1 checkpoint's config, whichever class serves it: by ``model_type``, or by
+    architecture when a loader rewrote the type (vLLM's view of the DSpark draft has
+    ``model_type="deepseek_mtp"`` and the checkpoint's or the draft's architecture). The
+    one V4.1 check of the package."""
     if getattr(hf_config, "model_type", None) == MODEL_TYPE:
         return True
-    return ARCHITECTURE in (getattr(hf_config, "architectures", None) or [])
+    archs = getattr(hf_config, "architectures", None) or []
+    return ARCHITECTURE in archs or DSPARK_DRAFT_ARCHITECTURE in archs
 
-# Keys of ``text_config`` (spec §2.2 plus the optional keys vLLM reads). Only
+# Keys of ``text_config`` (docs/architecture.md, "Text config", with the optional keys vLLM reads). Only
 # used to recognise an already-flat dict; nested input keeps whatever it has.
 _TEXT_KEY_NAMES = """
 vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads head_dim
@@ -49,7 +58,7 @@ kv_source_layer_ids index_source_layer_ids index_k_source_layer_ids index_n_head
 index_head_dim index_topk candidate_source_layer_id candidate_topk_blocks candidate_block_size
 hc_mult hc_sinkhorn_iters hc_eps hc_shifted engram_layer_ids engram_num_embeddings
 engram_max_ngram_size engram_vocab_size engram_n_heads engram_head_dim engram_pad_token_id
-engram_compressed_vocab_size num_nextn_predict_layers n_mtp_layers dspark_block_size
+engram_compressed_vocab_size num_nextn_predict_layers n_dspark_layers dspark_block_size
 dspark_noise_token_id dspark_target_layer_ids dspark_markov_rank dspark_n_routed_experts
 dspark_num_experts_per_tok dspark_target_attn_input attention_bias attention_dropout
 initializer_range use_cache num_hash_layers n_group topk_group draft_vocab_size
@@ -60,7 +69,7 @@ _TEXT_KEYS = frozenset(_TEXT_KEY_NAMES.split())
 # Keys the release repeats at the top level and inside text_config.
 _SHARED_KEYS = ("tie_word_embeddings",)
 
-# vision_config key -> (flat attribute vLLM reads, vLLM's default). Spec §2.1.
+# vision_config key -> (flat attribute vLLM reads, vLLM's default): docs/architecture.md, "Config nesting".
 _VISION_ATTRS: tuple[tuple[str, str, Any], ...] = (
     ("num_hidden_layers", "vision_n_layers", 0),
     ("hidden_size", "vision_dim", 1024),
@@ -76,7 +85,7 @@ _VISION_ATTRS: tuple[tuple[str, str, Any], ...] = (
 _VISION_FLAT = frozenset(flat for _, flat, _ in _VISION_ATTRS)
 
 # Top-level keys ``to_dict`` keeps even when text_config repeats them
-# (spec §18.1 repeats tie_word_embeddings).
+# (the tiny config.json repeats tie_word_embeddings there).
 _TOPLEVEL_KEEP = frozenset(
     {
         "architectures",
@@ -130,7 +139,7 @@ class DeepseekV41Config(PretrainedConfig):
         vision = copy.deepcopy(dict(vision_config or {}))
         kwargs.pop("model_type", None)
         if text_config is None:
-            # Flat input: the keys both levels carry go to both (spec §18.1).
+            # Flat input: the keys both levels carry go to both (``tie_word_embeddings``).
             for key in _SHARED_KEYS:
                 if key in kwargs:
                     text[key] = kwargs[key]

@@ -1,4 +1,7 @@
-"""Layer roles of DeepSeek-V4.1: what each layer owns and reads (spec §3, design §1.1).
+"""Layer roles of DeepSeek-V4.1: what each layer owns and reads.
+
+The roles: docs/architecture.md, "Layer schedule and roles"; DeepInfer's source maps:
+docs/design-notes.md, "Layer roles".
 
 ``build_roles`` turns the layer schedule of a config (compress ratios, KV and
 index sources, the candidate source, Engram layers) into one ``LayerRole`` per
@@ -10,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LayerRole", "build_roles", "mtp_roles"]
+__all__ = ["LayerRole", "build_roles", "dspark_roles"]
 
 
 @dataclass(frozen=True)
 class LayerRole:
-    """What one layer owns and reads (spec §3, design §1.1 table).
+    """What one layer owns and reads (docs/architecture.md, "Layer schedule and roles").
 
     ``kv_source``/``index_source`` are the layers whose compressed cache and
     top-k this layer uses (itself when it is a source); ``None`` for SWA-only
@@ -37,7 +40,7 @@ class LayerRole:
 
     @property
     def kind(self) -> str:
-        """Spec §3 role name: ``swa``, ``full``, ``reindex`` or ``reuse``."""
+        """Role name: ``swa``, ``full``, ``reindex`` or ``reuse``."""
         if self.ratio == 0:
             return "swa"
         if self.is_kv_source:
@@ -53,7 +56,7 @@ def build_roles(
     candidate: int,
     engram_ids: tuple[int, ...],
 ) -> tuple[tuple[LayerRole, ...], int]:
-    """Role table of the backbone layers; validates the source topology (spec §3).
+    """Role table of the backbone layers; validates the source topology.
 
     ``t`` reads the ``text_config`` section (``t.error(key, message)`` makes the
     ``ConfigError`` that names the key). Returns the roles and the first
@@ -111,8 +114,8 @@ def build_roles(
     return tuple(roles), first_decoder
 
 
-def mtp_roles(n_layers: int, num_mtp: int) -> tuple[LayerRole, ...]:
-    """DSpark stages are SWA-only blocks numbered after the backbone (spec §13.1)."""
+def dspark_roles(n_layers: int, num_dspark: int) -> tuple[LayerRole, ...]:
+    """DSpark stages are SWA-only blocks numbered after the backbone ("DSpark stages")."""
     return tuple(
         LayerRole(
             layer_id=n_layers + k,
@@ -127,5 +130,5 @@ def mtp_roles(n_layers: int, num_mtp: int) -> tuple[LayerRole, ...]:
             is_decoder=False,
             rope="main",
         )
-        for k in range(num_mtp)
+        for k in range(num_dspark)
     )

@@ -13,13 +13,13 @@ explicit ``strict`` as strict: the arguments follow the tool's JSON schema insid
 the DSML syntax (``deepseek_v4_1_xml`` style: strings raw, other values JSON).
 An explicit ``strict: false`` is kept. ``tool_choice: "auto"`` is vLLM's
 behaviour unchanged. The grammar itself is xgrammar's; its whitespace and string
-bounds come from ``structured_outputs.BoundedGrammarCompiler``.
+bounds come from ``patch.structured_outputs.BoundedGrammarCompiler``.
 
 With thinking on, vLLM applies the grammar after ``</think>`` (the reasoning
 parser marks the end); ``thinking_token_budget`` bounds the thinking.
 
 A schema keyword xgrammar would ignore in a forced call's arguments (``uniqueItems``,
-``format`` with ``maxLength``, ...: ``schema_keywords``) is a 400 naming the tool, the
+``format`` with ``maxLength``, ...: ``patch.schema_keywords``) is a 400 naming the tool, the
 keyword and its JSON path, as is a schema xgrammar cannot compile.
 
 **Only whole calls.** vLLM 0.32's parser engine (``vllm/parser/engine``) treats the
@@ -199,7 +199,7 @@ def _check_compiles(tag: Any, tools: list) -> None:
     try:
         xgr.Grammar.from_structural_tag(tag)
         return
-    except Exception as tag_error:  # noqa: BLE001 (xgrammar raises RuntimeError and others)
+    except Exception as tag_error:
         refused = []
         for tool in tools:
             name, parameters = _parameters(tool)
@@ -219,11 +219,11 @@ def _check_compiles(tag: Any, tools: list) -> None:
 
 def _check_keywords(tag: Any, tools: list) -> None:
     """A keyword the grammar would ignore in a tool's arguments schema becomes a 400
-    naming the tool, the keyword and its JSON path (``schema_keywords``). Only the
+    naming the tool, the keyword and its JSON path (``patch.schema_keywords``). Only the
     schemas the grammar holds are checked (a tool left non-strict has none)."""
     from vllm.exceptions import VLLMValidationError
 
-    from deepinfer_vllm.entrypoints.schema_keywords import describe, json_schemas_in_tag, unenforced
+    from deepinfer_vllm.patch.schema_keywords import describe, json_schemas_in_tag, unenforced
 
     by_schema = {}
     for tool in tools:

@@ -16,8 +16,10 @@ Which tensor has which format comes from ``checkpoint.expected_tensors``
 (one source of the format): the model binds its config with ``bind_format``
 before building layers, and layers are looked up by their prefix, which is
 the checkpoint name of their weight without ``.weight``. Every GEMM decodes
-its weight when it runs (``layers.dequant``) and returns ``x.dtype``, or the
-accumulation dtype when asked (row-parallel partial sums).
+its weight when it runs (``ops.weight_gemm``) and returns ``x.dtype``, or the
+accumulation dtype when asked (row-parallel partial sums). Each method builds
+its GEMM operators when vLLM builds its layer, under the model's device and
+dtype (``layers.params.built_for``), which fixes their kernels.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
-from deepinfer_vllm.configs import V41Arch
-from deepinfer_vllm.model_executor import checkpoint
-from deepinfer_vllm.model_executor.layers import dequant
-from deepinfer_vllm.model_executor.layers.weights import ue8m0_dtype
+from deepinfer_vllm.configs import V41Arch, is_v41_config
+from deepinfer_vllm.configs import checkpoint
+from deepinfer_vllm.model_executor.layers.params import built_for, ue8m0_dtype
+from deepinfer_vllm.ops.weight_gemm import FP8_TILE, Fp8BlockGemm, Fp8GroupedGemm, StoredGemm
 
 METHOD_NAME = "deepinfer_v41"
 
@@ -48,20 +50,7 @@ TORCH_DTYPES = {
     checkpoint.BF16: torch.bfloat16,
     checkpoint.F32: torch.float32,
 }
-TILE = dequant.FP8_TILE
-
-
-def _is_v41(hf_config: Any) -> bool:
-    """A V4.1 config, or vLLM's view of it as the DSpark draft (``model_type`` rewritten
-    to ``deepseek_mtp``, architectures left as the checkpoint's)."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type == "deepseek_v41":
-        return True
-    archs = getattr(hf_config, "architectures", None) or []
-    return model_type == "deepseek_mtp" and any(a in _V41_ARCHITECTURES for a in archs)
-
-
-_V41_ARCHITECTURES = ("DeepseekV41ForCausalLM", "DSparkV41DraftModel")
+TILE = FP8_TILE
 
 
 class _HeldWeights:
@@ -92,6 +81,11 @@ class _HeldWeights:
 class V41Fp8LinearMethod(_HeldWeights, LinearMethodBase):
     """Dense FP8 E4M3 weight ``[out, in]`` + UE8M0 ``scale`` per 32x32 tile, as released."""
 
+    def __init__(self):
+        device, dtype = built_for()
+        self.gemm = Fp8BlockGemm(device, dtype)
+        self.grouped_gemm = Fp8GroupedGemm(device, dtype)
+
     def params(self, layer, rows: int, cols: int, full: tuple[int, int]) -> dict[str, torch.Tensor]:
         if rows % TILE or cols % TILE:
             raise ValueError(
@@ -105,11 +99,11 @@ class V41Fp8LinearMethod(_HeldWeights, LinearMethodBase):
         }
 
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequant.gemm_fp8(x, layer.weight, layer.scale, out_dtype)
+        return self.gemm(x, layer.weight, layer.scale, out_dtype)
 
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal ``x [T, G, K]`` times the ``G`` row groups of ``W`` -> ``[T, G, N/G]``."""
-        return dequant.gemm_fp8_grouped(x, layer.weight, layer.scale)
+        return self.grouped_gemm(x, layer.weight, layer.scale)
 
 
 class _StoredWeight(_HeldWeights):
@@ -117,6 +111,7 @@ class _StoredWeight(_HeldWeights):
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
+        self.gemm = StoredGemm(*built_for())
 
     def params(self, layer, rows: int, cols: int, full: tuple[int, int]) -> dict[str, torch.Tensor]:
         return {"weight": torch.empty(rows, cols, dtype=self.dtype)}
@@ -126,7 +121,7 @@ class V41StoredLinearMethod(_StoredWeight, LinearMethodBase):
     """A bf16 / fp32 linear, kept in the dtype the checkpoint stores it in."""
 
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequant.gemm_stored(x, layer.weight, out_dtype)
+        return self.gemm(x, layer.weight, out_dtype)
 
 
 class V41EmbeddingMethod(_StoredWeight, QuantizeMethodBase):
@@ -137,7 +132,7 @@ class V41EmbeddingMethod(_StoredWeight, QuantizeMethodBase):
         return torch.nn.functional.embedding(input_, layer.weight)
 
     def apply(self, layer, x: torch.Tensor, bias=None) -> torch.Tensor:
-        return dequant.gemm_stored(x, layer.weight, torch.float32)
+        return self.gemm(x, layer.weight, torch.float32)
 
 
 @register_quantization_config(METHOD_NAME)
@@ -183,7 +178,7 @@ class DeepInferV41QuantConfig(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
         if user_quant not in (None, METHOD_NAME):
             return None
-        return METHOD_NAME if _is_v41(hf_config) else None
+        return METHOD_NAME if is_v41_config(hf_config) else None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, VocabParallelEmbedding):

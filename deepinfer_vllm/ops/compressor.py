@@ -1,4 +1,4 @@
-"""KV compressor references (spec §6.5, design §1.6 "Compressor").
+"""KV compressor references: a compressed layer keeps one latent per ``r`` tokens.
 
 Group ``j`` of ratio ``r`` covers positions ``r*j .. r*j + r - 1`` (non-overlapping, aligned to
 absolute positions, no positional bias). A latent exists only for complete groups. Latents are
@@ -12,6 +12,9 @@ Rounding points:
     DeepInfer); RMSNorm (fp32 inside) rounds to the model dtype.
   * ratio 1: ``u = h.Wkv^T`` computed in fp32 and rounded to the activation dtype (the reference
     projects in the activation dtype), then RMSNorm -> model dtype.
+
+``PoolPairs`` is the pooling operator the attention layer calls over paged steps (the PyTorch
+reference, or ``ops.triton.cache_store.pool_pairs`` on the Triton backend).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DSpark drafting operators (spec §13, deepinfer-design §2): one PyTorch reference each.
+"""DSpark drafting operators (docs/architecture.md, "DSpark"; docs/design-notes.md, "DSpark"): one PyTorch reference each.
 
 The reference model (``reference.dspark``), the paged draft layers of the vLLM
 model and the training tool all call these, so they agree by construction on
@@ -20,7 +20,7 @@ __all__ = [
     "target_features",
 ]
 
-# Confidence logits are clamped before the sigmoid (design §2.4).
+# Confidence logits are clamped before the sigmoid (docs/design-notes.md, "Draft sampling and verification").
 CONFIDENCE_CLAMP = 60.0
 
 
@@ -28,7 +28,7 @@ def target_features(entry_streams: list[torch.Tensor]) -> torch.Tensor:
     """``f_t``: the mean over the mHC streams of each target layer's entry, concatenated.
 
     ``entry_streams``: ``[T, hc, D]`` per target layer, in order. The mean is taken in the
-    accumulation dtype and rounded once to the streams' dtype (spec §13.2).
+    accumulation dtype and rounded once to the streams' dtype (docs/architecture.md, "Target features and context keys").
     """
     dtype = entry_streams[0].dtype
     acc = acc_dtype(dtype)
@@ -52,7 +52,7 @@ def context_window(anchor: torch.Tensor, window: int) -> tuple[torch.Tensor, tor
 
 
 def markov_logits(base: torch.Tensor, prev: torch.Tensor, embed: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Markov step: ``l = base + embed[prev] @ head.T`` in fp32 (spec §13.3).
+    """One Markov step: ``l = base + embed[prev] @ head.T`` in fp32 (docs/architecture.md, "Draft step").
 
     ``base`` ``[R, V]`` fp32 logits of one slot, ``prev`` ``[R]`` previous tokens; returns the
     logits and the rank-``r`` embeddings ``e`` (the confidence head reads them).

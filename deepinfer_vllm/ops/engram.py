@@ -1,4 +1,4 @@
-"""Engram conditional-memory references (spec §8, design §1.9).
+"""Engram conditional-memory references (docs/architecture.md, "Engram"; docs/design-notes.md, "Engram").
 
 Pieces:
   * tokenizer-derived compressed vocabulary (``normalize_token_text``,
@@ -60,7 +60,8 @@ _STRIP_CHARS = (
 
 
 def normalize_token_text(text: str) -> str:
-    """The §8.1 key normalisation of one decoded token text (U+FFFD handling is the caller's).
+    """The key normalisation ("Token-id compression") of one decoded token text (U+FFFD handling
+    is the caller's).
 
     Steps, mirroring the ``tokenizers`` normaliser sequence DeepInfer builds:
       1. NFKC, then NFD;
@@ -112,7 +113,7 @@ def _decode_all(tokenizer) -> tuple[list[str], Callable[[int], str | None]]:
 
 
 def compressed_vocab_from_tokenizer(tokenizer, vocab_size: int | None = None) -> tuple[torch.Tensor, int]:
-    """Build ``old2new`` (raw id -> compressed id) and the number of classes (spec §8.1).
+    """Build ``old2new`` (raw id -> compressed id) and the number of classes ("Token-id compression").
 
     Every id ``0 .. tokenizer_vocab-1`` (added/special tokens included) is decoded alone. If the
     text contains U+FFFD (a partial UTF-8 byte piece) its key is the raw token string, otherwise
@@ -205,7 +206,7 @@ def engram_primes(
     n_heads: int,
     engram_vocab_size: int | Sequence[int],
 ) -> dict[int, list[list[int]]]:
-    """Per Engram layer, per n-gram order (2..max_ngram), per head: a prime table size (§8.2).
+    """Per Engram layer, per n-gram order (2..max_ngram), per head: a prime table size ("Prime tables").
 
     Layers in the given order, then orders, then heads; for each order the search restarts at
     ``vocab - 1`` and each head takes the smallest prime above the previous candidate that was
@@ -249,7 +250,7 @@ def engram_offsets(primes_of_layer: Sequence[Sequence[int]]) -> list[int]:
 
 
 def engram_multipliers(layer_id: int, max_ngram: int, compressed_vocab_size: int, seed: int = 0) -> list[int]:
-    """Odd int64 multipliers of one layer (§8.3): NumPy ``default_rng(seed + 10007*layer_id)``,
+    """Odd int64 multipliers of one layer ("Hash multipliers"): NumPy ``default_rng(seed + 10007*layer_id)``,
     ``integers(0, bound, size=max_ngram, dtype=int64)`` with
     ``bound = max(1, (int64_max // compressed_vocab_size) // 2)``, then ``2*v + 1``."""
     bound = max(1, (np.iinfo(np.int64).max // int(compressed_vocab_size)) // 2)
@@ -343,7 +344,7 @@ def engram_hash(
     offsets: Sequence[int],
     id_bound: int | None = None,
 ) -> torch.Tensor:
-    """Row indices into one layer's Engram table (spec §8.4) -> int64 ``[T, (max_ngram-1)*n_heads]``.
+    """Row indices into one layer's Engram table ("N-gram hash") -> int64 ``[T, (max_ngram-1)*n_heads]``.
 
     For look-back ``s = 0..max_ngram-1``: ``blocked |= ngram_ids[:, s] < 0`` (a dead token or a
     slot before the sequence start; sticky), ``v = pad_id if blocked else id``,
@@ -404,7 +405,7 @@ def engram_gate_update(
     is_image: torch.Tensor | None = None,
     clamp: float = 1e-6,
 ) -> torch.Tensor:
-    """Inject the Engram value into every residual stream (spec §8.5). Returns ``streams.dtype``.
+    """Inject the Engram value into every residual stream ("Engram gate"). Returns ``streams.dtype``.
 
     ``kv [T, (hc+1)*D]``: per-stream keys ``kv[:, i*D:(i+1)*D]`` and the shared value
     ``kv[:, hc*D:]``. All math in fp32:

@@ -1,4 +1,9 @@
-"""Lightning-indexer references (spec §6.6, design §1.6 "Indexer").
+"""Lightning-indexer references: which compressed entries each query attends to.
+
+An index-source layer scores every compressed entry a query sees with
+``sum_h w_h relu(q_h . k_j)`` (``index_scores``) and keeps the ``index_topk`` best
+(``select_topk``); the candidate source first keeps whole blocks of entries
+(``candidate_block_mask``) and the reindex layers of its KV segment select only inside them.
 
 Conventions: compressed entry ``j`` of a ratio-``r`` source is visible to a query at position
 ``p`` iff ``j < floor((p + 1) / r)`` (``visible_compressed``). Every selection is a stable
@@ -89,7 +94,7 @@ def candidate_block_mask(
     block_size: int,
     topk_blocks: int,
 ) -> torch.Tensor:
-    """Hierarchical candidate mask ``bool [Tq, N]`` (spec §6.6, DeepInfer candidate blocks).
+    """Hierarchical candidate mask ``bool [Tq, N]`` (DeepInfer's candidate blocks).
 
     * entries ``j >= visible`` are ignored (treated as ``-inf``);
     * block score = max over the block's entries, capped at the largest finite fp32;

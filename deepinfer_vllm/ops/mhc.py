@@ -1,5 +1,11 @@
-"""Manifold-constrained hyper-connection (mHC) references, single-pass variant
-(spec §5, design §1.5).
+"""Manifold-constrained hyper-connections (mHC): the references, single-pass variant, and
+the three operators of a site (mix, collapse + RMSNorm, expand) a layer builds.
+
+The residual stream is ``hc`` parallel streams. At each sublayer site, per token, mix
+coefficients are computed from all streams (``hc_mix``): ``pre`` weights collapse the
+streams into the sublayer's input, ``post`` weights spread its output back over them, and
+a doubly stochastic ``comb`` (Sinkhorn-normalised) mixes the streams into each other.
+"Single-pass": one projection of the flattened streams gives all three.
 
 Layout conventions:
   * streams ``[T, hc, D]`` in the model dtype; flattened stream-major for the mix
@@ -14,9 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import KernelOp
+from .norm import rms_norm
 from .numerics import acc_dtype, matmul, pointwise
 
 __all__ = [
+    "HcCollapseNorm",
+    "HcExpand",
+    "HcMix",
     "hc_mix_logits",
     "hc_fn_broadcast",
     "hc_mix_logits_broadcast",
@@ -45,7 +56,8 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> to
 
 
 def hc_fn_broadcast(fn: torch.Tensor, hc: int) -> torch.Tensor:
-    """Sum of the ``hc`` column blocks of ``fn`` -> fp32 ``[hc*(hc+2), D]`` (spec §5.3).
+    """Sum of the ``hc`` column blocks of ``fn`` -> fp32 ``[hc*(hc+2), D]``: the projection of
+    ``hc`` identical streams (as at the first layer, where every stream is the embedding).
 
     When all streams equal ``e``, ``fn . x == hc_fn_broadcast(fn) . e`` and the RMS over
     ``hc*D`` entries equals the RMS over the ``D`` entries of ``e``.
@@ -62,7 +74,8 @@ def hc_mix_logits_broadcast(e: torch.Tensor, fn_broadcast: torch.Tensor, rms_eps
 
 
 def sinkhorn(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Sinkhorn normalisation of ``[..., hc, hc]`` fp32 logits (spec §5.1 step 5).
+    """Sinkhorn normalisation of ``[..., hc, hc]`` fp32 logits into the (nearly) doubly
+    stochastic ``comb``.
 
     softmax over the last axis (k) then ``+eps``; divide by column sums (sum over j) ``+eps``;
     then ``iters-1`` times: rows (sum over k) ``+eps``, then columns ``+eps``. The last operation
@@ -114,7 +127,8 @@ def hc_mix(
     sinkhorn_iters: int,
     post_mult: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC coefficients of one sublayer site (spec §5.1).
+    """mHC coefficients of one sublayer site: logits from the RMS-scaled projection of the
+    flattened streams, then sigmoids for ``pre``/``post`` and Sinkhorn for ``comb``.
 
     Returns fp32 ``pre [T, hc]``, ``post [T, hc]``, ``comb [T, hc, hc]``. Everything after the
     upcast of ``streams`` is fp32; nothing is rounded.
@@ -125,7 +139,7 @@ def hc_mix(
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """``sum_i pre[:, i] * streams[:, i]`` -> ``[T, D]`` (spec §5.2).
+    """``sum_i pre[:, i] * streams[:, i]`` -> ``[T, D]``: a sublayer's input from the streams.
 
     fp32 products and sum, rounded once to ``streams.dtype`` (the following RMSNorm sees the
     rounded value). ``pre`` is used as given (not normalised).
@@ -136,7 +150,8 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 def hc_expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New streams ``out[k] = post[k]*y + sum_j comb[j, k]*streams[j]`` (spec §5.2).
+    """New streams ``out[k] = post[k]*y + sum_j comb[j, k]*streams[j]`` from the sublayer
+    output ``y``.
 
     fp32 math (``y`` and ``streams`` upcast), rounded once to ``streams.dtype``.
     """
@@ -147,7 +162,53 @@ def hc_expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
 
 
 def identity_pre(T: int, hc: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """fp32 ``[T, hc]`` one-hot on stream 0: the pre-mix entering layer 0 (spec §4, §5.3)."""
+    """fp32 ``[T, hc]`` one-hot on stream 0: the pre-mix entering layer 0 (all streams start
+    as the embedding, so collapsing them with it gives the embedding back)."""
     pre = torch.zeros(T, hc, dtype=torch.float32, device=device)
     pre[:, 0] = 1.0
     return pre
+
+
+class HcMix(KernelOp):
+    """``hc_mix``: the reference, or the Triton kernels (``ops/triton/mhc.py``: a split-K
+    projection and one kernel for the scaling, sigmoids and the whole Sinkhorn loop)."""
+
+    name = "mhc_mix"
+    family = "fused"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.mhc"}
+
+    def forward_native(self, streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters):
+        return hc_mix(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
+
+    def forward_triton(self, streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters):
+        return self.kernels.hc_mix(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
+
+
+class HcCollapseNorm(KernelOp):
+    """``rms_norm(hc_collapse(streams, pre), weight, eps)``: a sublayer's (or the head's)
+    normalised input; the reference, or one Triton kernel per call. (On NPUs the reference:
+    ``torch_npu`` has no collapse.)"""
+
+    name = "mhc_collapse_norm"
+    family = "fused"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.mhc"}
+
+    def forward_native(self, streams, pre, weight, eps):
+        return rms_norm(hc_collapse(streams, pre), weight, eps)
+
+    def forward_triton(self, streams, pre, weight, eps):
+        return self.kernels.hc_collapse_norm(streams, pre, weight, eps)
+
+
+class HcExpand(KernelOp):
+    """``hc_expand``: the reference, or one Triton kernel per call."""
+
+    name = "mhc_expand"
+    family = "fused"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.mhc"}
+
+    def forward_native(self, y, streams, post, comb):
+        return hc_expand(y, streams, post, comb)
+
+    def forward_triton(self, y, streams, post, comb):
+        return self.kernels.hc_expand(y, streams, post, comb)

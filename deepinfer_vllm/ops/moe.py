@@ -1,11 +1,11 @@
-"""Mixture-of-experts references (spec §7, design §1.8).
+"""Mixture-of-experts references, and the grouped expert GEMM operator a layer builds.
 
 Routing: fp32 logits, ``sqrt(softplus(logit))`` scores, selection on ``score + bias`` (the
 image-token bias ``bias_vl`` for image rows) with a stable descending sort (ties: lower expert
 index first), weights from the UNBIASED scores, renormalised and scaled.
 
 Experts: clamped SwiGLU ``w2 . (silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` on dequantised
-weights. Rounding points follow DeepInfer's expert pipeline (design §1.8):
+weights. Rounding points follow DeepInfer's expert pipeline (its GPU kernels round there):
   1. gate/up GEMM outputs are rounded to the activation dtype;
   2. SwiGLU runs in fp32 and, for routed experts, the routing weight is multiplied into the
      fp32 activation BEFORE the down projection (DeepInfer fuses the weight into its SwiGLU
@@ -24,9 +24,14 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from deepinfer_vllm import envs
+
+from . import quant_gemm
+from .dispatch import KernelOp
 from .numerics import acc_dtype, gemm, matmul, pointwise
 
 __all__ = [
+    "GroupedExpertGemm",
     "stable_topk_indices",
     "route_sqrtsoftplus",
     "swiglu_clamped",
@@ -60,7 +65,9 @@ def route_sqrtsoftplus(
     bias_vl: torch.Tensor | None = None,
     is_image: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score routing (spec §7.2). Returns ``(topk_weights fp32 [T, k], topk_ids int64 [T, k])``.
+    """Sqrt-softplus score routing with bias-steered selection.
+
+    Returns ``(topk_weights fp32 [T, k], topk_ids int64 [T, k])``.
 
     * logits ``x . gate_weight^T`` in fp32 (both operands upcast), scores ``sqrt(softplus)`` fp32;
     * selection key ``score + bias`` (``bias_vl`` for rows with ``is_image`` when ``bias_vl`` is
@@ -196,3 +203,25 @@ def moe_forward(
         s1, s3, s2 = shared
         acc += expert_mlp(x, s1, s3, s2, limit).to(acc.dtype)
     return acc.to(x.dtype)
+
+
+class GroupedExpertGemm(KernelOp):
+    """The routed experts' grouped packed-E2M1 GEMM, ``grouped_fp4_gemm(x, offsets, weight,
+    scale, out_dtype)``: rows ``offsets[e]:offsets[e+1]`` of ``x`` times expert ``e``'s
+    weight, zeros past ``offsets[-1]``. The reference (``ops.quant_gemm``, which reads the
+    offsets on the host) or the Triton kernel (``ops/triton/moe_gemm.py``, no host
+    synchronisation). Activations as ``DEEPINFER_GEMM_ACTIVATIONS`` says, read when built."""
+
+    name = "moe_grouped_gemm"
+    family = "gemm"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.moe_gemm"}
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self.act = envs.gemm_activations()
+
+    def forward_native(self, x, offsets, weight, scale, out_dtype=None):
+        return quant_gemm.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)
+
+    def forward_triton(self, x, offsets, weight, scale, out_dtype=None):
+        return self.kernels.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)

@@ -1,12 +1,14 @@
-"""RMSNorm reference (spec §16: fp32 reduction, one rounding to the activation dtype)."""
+"""RMSNorm: the reference (fp32 statistics and product, one rounding to the activation dtype)
+and the operator a layer builds, which runs it or a device kernel."""
 
 from __future__ import annotations
 
 import torch
 
+from .dispatch import KernelOp
 from .numerics import acc_dtype
 
-__all__ = ["rms_norm"]
+__all__ = ["RMSNorm", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -22,3 +24,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = y * weight.to(xf.dtype)
     return y.to(x.dtype)
+
+
+class RMSNorm(KernelOp):
+    """``rms_norm(x, weight, eps)``: the reference, one Triton kernel per call
+    (``ops/triton/mhc.py``) or ``torch_npu``'s fused RmsNorm (``ops/npu.py``)."""
+
+    name = "rms_norm"
+    family = "fused"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.mhc", "npu": "deepinfer_vllm.ops.npu"}
+
+    def forward_native(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def forward_triton(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def forward_npu(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, eps)

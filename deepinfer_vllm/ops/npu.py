@@ -11,7 +11,9 @@
   ``x [T, H, 1, D]`` with ``cos``/``sin`` ``[T, 1, 1, D]``, tokens on the first
   axis (see :func:`rope_tail`).
 
-Chosen by ``DEEPINFER_FUSED_KERNELS`` (``kernel_select.choose_fused_kernels``).
+They are the ``forward_npu`` of the operators ``ops.norm.RMSNorm`` and
+``ops.rope.RopeTail``, chosen when a layer is built (``ops.dispatch``,
+``DEEPINFER_FUSED_KERNELS``).
 Checked here only against an emulation of the operators' documented
 formulas (``tests/ops/test_npu_ops.py``); ``tests/npu/`` checks them on an
 NPU and has never run (no hardware).

@@ -1,6 +1,6 @@
 """The accumulation dtype of every "fp32 island", and the one GEMM rule.
 
-The spec computes norms, mHC coefficients, routing, attention softmax, Engram
+V4.1 computes norms, mHC coefficients, routing, attention softmax, Engram
 gates and GEMM accumulations in fp32 and rounds to the activation dtype. On
 CPU, fp32 GEMMs and vectorised transcendental kernels round differently for
 different row counts (MKL picks other kernels for small M; vector loops treat
@@ -11,11 +11,13 @@ and then a prefill split into chunks no longer equals the whole prefill.
 When the model runs in float32, the islands therefore accumulate in float64
 and round to float32 at the same points: float64 hides those order effects
 below the float32 rounding, so results do not depend on batching. In bf16
-(the default) the islands are float32, exactly as the spec writes them.
+(the default) the islands are float32, exactly as the model defines them.
 
 Batch-invariant mode (``DEEPINFER_BATCH_INVARIANT=1``) removes the effects
 themselves, so a row's bits never depend on its step's other rows, in any
-dtype:
+dtype (the setting is read on each call of ``matmul`` and ``pointwise``: they are
+functions shared by the model's operators, the full-sequence reference model and the
+tools, with no construction to read it at):
 
 * ``matmul``: MKL's sgemm/dgemm sums a row in an order chosen by the row count
   M (gemv for M=1, other blockings for small M) and by the operand's address

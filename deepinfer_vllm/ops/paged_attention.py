@@ -8,6 +8,9 @@ is the same operator written by composition: gather the records with
 (``PagedView._slot``), then ``sparse_attention``. It materialises the gathered
 keys, so it is the baseline and the test oracle, not a fast path. Any device;
 no vLLM.
+
+``PagedSparseAttention`` is the operator the attention layer calls: this
+reference, or ``sparse_mla_decode`` on the Triton backend (same arguments).
 """
 
 from __future__ import annotations

@@ -6,19 +6,23 @@ composed from ``ops/indexer.py`` (scores, selection, candidate blocks) and
 ``ops/paged_records.read_records`` (the page layout), so the only new thing here is the
 addressing: entry ``e`` of request row ``req`` lives at
 ``block_table[req, e * ratio // block_size]``, record ``(e * ratio % block_size) // ratio``
-of that page (``PagedView._slot``), i.e. page ``e // N``, slot ``e % N`` with
+of that page (``paged_records.record_address``), i.e. page ``e // N``, slot ``e % N`` with
 ``N = block_size // ratio`` records per page.
 
 Candidate blocks are passed between layers as kept block ids ``[T, nb]`` (ascending, -1
-fill) instead of a boolean mask: a reindex layer scores only those ``nb * block`` entries
-in a compact buffer (column ``c`` = entry ``ids[c // block] * block + c % block``), selects
-there and maps back. The map is monotone, so ascending order and lower-index ties survive.
+fill) instead of a boolean mask. ``index_scores_paged_sparse`` scores only those
+``nb * block`` entries in a compact buffer (column ``c`` = entry
+``ids[c // block] * block + c % block``), as the Triton kernel does; the map is monotone, so
+ascending order and lower-index ties survive. The reference selection ``indexer_topk``
+instead scores every visible entry and masks the others with the mask rebuilt from the ids
+(``candidate_mask_from_blocks``), so a reindex layer's scores come from the same GEMMs as
+every other index source's (the compact per-token GEMMs may sum in another order on a CPU).
+
+``IndexerTopK`` is the operator the attention layer calls: ``indexer_topk`` here, or
+``ops.triton.indexer.indexer_topk`` on the Triton backend (same arguments).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -248,54 +252,25 @@ def indexer_topk(
     max_visible: int | None = None,
     index_dtype: torch.dtype = torch.int64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One index-source layer's selection (the model's ``_select`` after ``q``/``w``):
+    """One index-source layer's selection once ``q = mxfp4_qdq(rope(q_b(c_q)))`` ``[T, H, D]``
+    and ``w = weights_proj(x)`` ``[T, H]`` exist, over the KV source's paged index keys
+    (``visible = (positions + 1) // ratio``):
 
-    * ``candidates`` given (reindex layer): score only the kept blocks' entries, select there,
-      map back -> ``(topk [T, topk], None)``;
+    * ``candidates`` given (kept block ids ``[T, nb]`` of the candidate source; reindex
+      layer): every visible entry is scored, those outside the kept blocks are masked
+      (``candidate_mask_from_blocks``), then selected -> ``(topk [T, topk], None)``;
     * otherwise score every visible entry and select; with ``candidate_source`` also return
       the kept block ids ``[T, candidate_topk_blocks]`` for the reindex layers.
     """
-    return run_indexer_pipeline(
-        _REFERENCE_OPS, q, w, index_cache, block_table, token_req, visible, ratio=ratio, block_size=block_size,
-        topk=topk, candidates=candidates, candidate_source=candidate_source,
-        candidate_block_size=candidate_block_size, candidate_topk_blocks=candidate_topk_blocks,
-        out_dtype=out_dtype, max_visible=max_visible, index_dtype=index_dtype,
-    )
-
-
-@dataclass(frozen=True)
-class IndexerOps:
-    """The four operators an index-source layer's selection is built from."""
-
-    index_scores_paged: Callable
-    index_scores_paged_sparse: Callable
-    topk_indices: Callable
-    candidate_blocks: Callable
-
-
-def run_indexer_pipeline(
-    ops: IndexerOps, q, w, index_cache, block_table, token_req, visible, *, ratio, block_size, topk,
-    candidates, candidate_source, candidate_block_size, candidate_topk_blocks, out_dtype, max_visible,
-    index_dtype,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scores -> selection (-> kept candidate blocks), composed the same way for the reference
-    and the Triton operators, so the two paths differ only in the operators themselves."""
-    if candidates is not None:
-        compact = ops.index_scores_paged_sparse(
-            q, w, index_cache, block_table, token_req, visible, ratio, block_size,
-            candidates, candidate_block_size, out_dtype,
-        )
-        idx = ops.topk_indices(compact, topk, index_map=candidates, map_block=candidate_block_size,
-                               index_dtype=index_dtype)
-        return idx, None
-    scores = ops.index_scores_paged(
+    scores = index_scores_paged(
         q, w, index_cache, block_table, token_req, visible, ratio, block_size, out_dtype, max_visible
     )
-    idx = ops.topk_indices(scores, topk, lengths=visible, index_dtype=index_dtype)
+    if candidates is not None:
+        mask = candidate_mask_from_blocks(candidates, visible, scores.shape[1], candidate_block_size)
+        scores = scores.masked_fill(~mask, NEG_INF)
+        return topk_indices(scores, topk, lengths=visible, index_dtype=index_dtype), None
+    idx = topk_indices(scores, topk, lengths=visible, index_dtype=index_dtype)
     kept = None
     if candidate_source:
-        kept = ops.candidate_blocks(scores, visible, candidate_block_size, candidate_topk_blocks, index_dtype)
+        kept = candidate_blocks(scores, visible, candidate_block_size, candidate_topk_blocks, index_dtype)
     return idx, kept
-
-
-_REFERENCE_OPS = IndexerOps(index_scores_paged, index_scores_paged_sparse, topk_indices, candidate_blocks)

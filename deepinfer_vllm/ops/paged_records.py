@@ -6,6 +6,10 @@ after them ("values region, then scales region"), so that a kernel can stream
 the value bytes of a whole page without stepping over scale bytes. This module
 is the one place that knows that layout; it imports no vLLM so the GPU host and
 the reference tests can use it.
+
+``StoreRecords`` is the quantise-and-store operator the attention layer calls:
+``write_records_at_slots`` here, ``ops.triton.cache_store.store_records`` on the
+Triton backend (same arguments, same bytes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Bit-exact PyTorch reference for every number format of DeepSeek-V4.1-Flash.
 
-Spec: ``deepseek-v41-flash.md`` §6.4-§6.6, §7.3, §8.5, §10, §11, §12 and
-``deepinfer-design.md`` §1.7. Everything here is element-wise or block-wise torch
+The formats: docs/architecture.md, "Number formats"; where each is used: docs/design-notes.md,
+"KV cache layout". Everything here is element-wise or block-wise torch
 code (no Python loops over elements), works for any leading shape and on any
 device, and never imports vLLM.
 
@@ -103,7 +103,7 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 
-# Block amax floors (spec §11): they keep every scale a finite, normal number and
+# Block amax floors (docs/architecture.md, "Number formats"): they keep every scale a finite, normal number and
 # make all-zero blocks well defined.
 MXFP8_AMAX_FLOOR = 1e-4
 NVFP4_AMAX_FLOOR = E2M1_MAX * E4M3_MIN_SUBNORMAL  # smallest scale is 2**-9
@@ -591,7 +591,7 @@ def pack_page(values: Tensor, scales: Tensor) -> Tensor:
     """Lay ``n`` records out as one page: ``[..., n, vb]`` values then ``[..., n, sb]`` scales.
 
     Returns ``[..., n * (vb + sb)]`` uint8 ("values region first, then scales
-    region", spec §10.3); any page padding is the caller's business.
+    region", docs/architecture.md, "Page layout"); any page padding is the caller's business.
     """
     values, scales = _as_u8(values), _as_u8(scales)
     if values.shape[:-1] != scales.shape[:-1]:

@@ -11,7 +11,7 @@ what DeepInfer feeds its FP8 GEMMs). Weights are decoded exactly (``ops.quant``)
 are accumulated in ``ops.numerics.acc_dtype(x.dtype)`` (fp32 for bf16 activations, fp64 for
 fp32 ones, as every reference here) through ``ops.numerics.matmul``, and rounded once to
 ``out_dtype`` (default ``x.dtype``). The model's expert-by-expert path
-(``layers.dequant``) computes the same products the same way.
+(``ops.weight_gemm``) computes the same products the same way.
 
 The Triton kernels (``ops/triton/fp8_gemm.py``, ``ops/triton/moe_gemm.py``) take the same
 arguments. They sum in another order, so they agree within fp32 summation error, not bit

@@ -1,4 +1,4 @@
-"""Rotary position embedding references (spec §6.2, design §1.6).
+"""Rotary position embedding references.
 
 * Pairing is GPT-J / interleaved: the rotary part of a vector is its LAST ``rotary_dim``
   entries, taken as adjacent pairs ``(x[2i], x[2i+1])`` of that tail, rotated by
@@ -8,8 +8,11 @@
   sin_0..sin_{r/2-1}]``.
 * YaRN is "frequency only": the inverse frequencies are blended between the base and the
   interpolated (``/factor``) values with a linear ramp over the pair index, and there is
-  no amplitude (mscale) factor (DeepInfer builds YaRN with ``mscale=False`` which gives a
-  multiplier of exactly 1.0; the spec says the same for vLLM/NeMo).
+  no amplitude (mscale) factor (DeepInfer builds YaRN with ``mscale=False``, which gives a
+  multiplier of exactly 1.0; vLLM's and NeMo's V4 implementations apply none either).
+
+``RopeTail`` is the rotation operator the model calls: ``apply_rope_tail``, or one fused kernel
+(``ops.triton.rope.rope_tail``, ``ops.npu.rope_tail``) where the shapes allow it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import math
 
 import torch
 
+from deepinfer_vllm.ops.dispatch import KernelOp
+
 __all__ = [
+    "RopeTail",
     "yarn_correction_range",
     "rope_inv_freq",
     "build_rope_cache",
@@ -62,7 +68,7 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> 
 
     Without scaling: ``base^(-2i/rotary_dim)``. With YaRN: ``inv*(1-ramp) + (inv/factor)*ramp``,
     ``ramp_i = clamp((i - low)/(high - low), 0, 1)``; any mscale / attn_factor keys are
-    ignored on purpose (frequency-only YaRN, spec §6.2).
+    ignored on purpose (frequency-only YaRN: V4.1 applies no amplitude factor).
     """
     if rotary_dim % 2:
         raise ValueError("rotary_dim must be even")
@@ -145,3 +151,32 @@ def apply_rope_tail(
     if x.shape[-1] == rotary_dim:
         return rotated
     return torch.cat([x[..., : x.shape[-1] - rotary_dim], rotated], dim=-1)
+
+
+def _fused_shape(x: torch.Tensor, positions: torch.Tensor) -> bool:
+    """The shapes the fused kernels take: ``x [T, D]`` or ``[T, H, D]``, one position per token."""
+    return positions.shape == x.shape[:1] and x.dim() in (2, 3)
+
+
+class RopeTail(KernelOp):
+    """``apply_rope_tail(x, positions, cache, inverse)`` as one operator of the ``fused``
+    family: the reference, or one kernel per call on Triton / ``torch_npu`` where ``x`` is
+    ``[T, D]`` or ``[T, H, D]`` with one position per token (other shapes run the reference)."""
+
+    name = "rope_tail"
+    family = "fused"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.rope", "npu": "deepinfer_vllm.ops.npu"}
+
+    def forward_native(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        return apply_rope_tail(x, positions, cache, inverse=inverse)
+
+    def forward_triton(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        if not _fused_shape(x, positions):
+            return apply_rope_tail(x, positions, cache, inverse=inverse)
+        return self.kernels.rope_tail(x, positions, cache, inverse)
+
+    forward_npu = forward_triton  # the same call on ``ops.npu``'s kernel (``kernel_modules``)

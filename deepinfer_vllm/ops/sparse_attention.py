@@ -1,4 +1,4 @@
-"""Sparse MQA attention core with attention sink (spec §6.7, design §1.6 "Core attention").
+"""Sparse MQA attention core with attention sink: each query attends its own set of gathered keys.
 
 One latent per key is both key and value for every head. Logits and softmax are fp32; the
 per-head sink logit enters the softmax denominator only (it is not multiplied by the scale and

@@ -24,6 +24,28 @@ logger = logging.getLogger(__name__)
 CPU_PLATFORM = "deepinfer_vllm.platforms.cpu.DeepInferCpuPlatform"
 
 
+def serving_class() -> str:
+    """``deepinfer`` or ``vllm``: who serves V4.1 in this process (``DEEPINFER_MODEL``;
+    ``auto``: vLLM's in-tree class on CUDA/ROCm, this plugin's class elsewhere)."""
+    from deepinfer_vllm import envs
+
+    choice = envs.model_choice()
+    if choice != "auto":
+        return choice
+    from vllm.platforms import current_platform
+
+    return "vllm" if current_platform.is_cuda_alike() else "deepinfer"
+
+
+def plugin_serves_v41(model_config) -> bool:
+    """A V4.1 checkpoint (``configs.is_v41_config``) that this plugin's class serves."""
+    from deepinfer_vllm.configs import is_v41_config
+
+    if model_config is None or serving_class() != "deepinfer":
+        return False
+    return is_v41_config(model_config.hf_config)
+
+
 def _vllm_is_cpu_build() -> bool:
     from importlib.metadata import PackageNotFoundError, version
 

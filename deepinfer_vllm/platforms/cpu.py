@@ -9,32 +9,23 @@ backend. Every other model sees exactly the stock ``CpuPlatform``, with one
 fix any model's speculative sampling needs: vLLM 0.32's C++ fallback of the
 rejection sampler's ``expand_kernel`` casts its float output to int64, so the
 per-token temperatures (and top-p) of random requests are never written and
-verification samples from garbage (NaN) distributions; ours keeps the dtype.
+verification samples from garbage (NaN) distributions; ours keeps the dtype
+(``patch.rejection_sampler``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
 
 from vllm.platforms.cpu import CpuPlatform
 
+from deepinfer_vllm.platforms import plugin_serves_v41
+from deepinfer_vllm.platforms.v41_config import V41_BACKEND, configure_v41
+
 logger = logging.getLogger(__name__)
 
-V41_DEFAULT_BLOCK_SIZE = 64
-V41_BACKEND = "deepinfer_vllm.attention_backends.mla_swa.DeepInferV41Backend"
 V41_WORKER = "deepinfer_vllm.platforms.cpu_worker.DeepInferCPUWorker"
 STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker")
-
-
-def is_v41(model_config) -> bool:
-    """A V4.1 checkpoint that this plugin's class serves (``DEEPINFER_MODEL``)."""
-    from deepinfer_vllm import serving_class
-    from deepinfer_vllm.configs import is_v41_config
-
-    if model_config is None or serving_class() != "deepinfer":
-        return False
-    return is_v41_config(model_config.hf_config)
 
 
 class DeepInferCpuPlatform(CpuPlatform):
@@ -53,18 +44,14 @@ class DeepInferCpuPlatform(CpuPlatform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         super().register_triton_kernel_overrides()
-        from vllm.triton_utils import HAS_TRITON
+        from deepinfer_vllm.patch import rejection_sampler
 
-        if HAS_TRITON:
-            return
-        from vllm.triton_utils.dispatcher import register_kernels
-
-        register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_batch_values})
+        rejection_sampler.apply()
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
-        if not is_v41(model_config):
+        if not plugin_serves_v41(model_config):
             super().check_and_update_config(vllm_config)
             return
         settings = configure_v41(
@@ -90,7 +77,7 @@ class DeepInferCpuPlatform(CpuPlatform):
                 "DeepInfer V4.1 on CPU: %sLines about DeepGEMM/UE8M0, Triton and CUDA graphs do not "
                 "apply: this path runs PyTorch on the CPU. The workers' 'expand_kernel is already "
                 "registered. Overwriting.' is this platform's fix of vLLM's rejection-sampler fallback "
-                "(see deepinfer_vllm/platforms/cpu.py).",
+                "(see deepinfer_vllm/patch/rejection_sampler.py).",
                 restored,
             )
 
@@ -177,109 +164,3 @@ def _checkpoint_bytes(model_config) -> int:
         return 0
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
-
-class V41Settings(NamedTuple):
-    """What ``configure_v41`` decided, for the platform's log line."""
-
-    block_size: int
-    chunked_prefill: bool
-    prefix_caching: bool
-    dspark: Any  # spec_decode.config.DSparkSettings, or None
-    restored: tuple[str, ...] = ()  # what the device's own update had turned off, restored
-
-    def summary(self, parallel_config) -> str:
-        dspark = "off" if self.dspark is None else (
-            f"k={self.dspark.num_speculative_tokens} adaptive={self.dspark.adaptive}"
-        )
-        return (
-            f"block_size={self.block_size}, chunked_prefill={self.chunked_prefill}, "
-            f"prefix_caching={self.prefix_caching}, tensor_parallel={parallel_config.tensor_parallel_size}, "
-            f"data_parallel={parallel_config.data_parallel_size}, "
-            f"expert_parallel={parallel_config.enable_expert_parallel}, dspark={dspark}"
-        )
-
-
-def configure_v41(vllm_config, device_update, worker: str, stock_workers: tuple[str, ...]) -> V41Settings:
-    """The V4.1 decisions every DeepInfer platform makes, around its device's own update
-    (``device_update``, e.g. the stock platform's ``check_and_update_config``): parallel and
-    checkpoint checks in the user's process, 64-token blocks (or the user's even size),
-    chunked prefill, prefix caching and the batch budget as the user asked (the device
-    update may have changed them), ``worker`` where vLLM's stock one was chosen, DSpark.
-    Returns the decisions as ``V41Settings``."""
-    from deepinfer_vllm.configs import V41Arch
-
-    model_config = vllm_config.model_config
-    cache_config = vllm_config.cache_config
-    scheduler_config = vllm_config.scheduler_config
-    parallel_config = vllm_config.parallel_config
-    worker_cls = parallel_config.worker_cls
-    user_block_size = cache_config.block_size if cache_config.user_specified_block_size else None
-    chunked = scheduler_config.enable_chunked_prefill
-    prefix = cache_config.enable_prefix_caching
-    max_batched = scheduler_config.max_num_batched_tokens
-    arch = V41Arch.from_config(model_config.hf_config)
-    _check_parallel(arch, parallel_config)
-    checkpoint_names = _validate_checkpoint(arch, model_config)
-    device_update()
-    block_size = user_block_size or V41_DEFAULT_BLOCK_SIZE
-    if block_size % 2:
-        raise ValueError(f"V4.1 needs an even --block-size (ratio-2 caches); got {block_size}")
-    restored = tuple(
-        name
-        for name, asked, now in (
-            ("chunked prefill", chunked, scheduler_config.enable_chunked_prefill),
-            ("prefix caching", prefix, cache_config.enable_prefix_caching),
-        )
-        if asked and not now
-    )
-    cache_config.block_size = block_size
-    parallel_config.worker_cls = worker if worker_cls in stock_workers else worker_cls
-    scheduler_config.enable_chunked_prefill = chunked
-    cache_config.enable_prefix_caching = prefix
-    scheduler_config.max_num_batched_tokens = max_batched
-    dspark = None
-    if vllm_config.speculative_config is not None:
-        dspark = _configure_dspark(vllm_config, arch, checkpoint_names)
-    return V41Settings(block_size, chunked, prefix, dspark, restored)
-
-
-def expand_batch_values(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
-    """``expand_kernel`` of vLLM's rejection sampler in torch, any dtype: request ``i``'s
-    value (``replace_from`` mapped to ``replace_to``) repeated over its tokens."""
-    import torch
-
-    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1).to(torch.int64))
-    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
-    expanded = torch.repeat_interleave(values, counts)
-    output[: expanded.numel()] = expanded.to(output.dtype)
-
-
-def _check_parallel(arch, parallel_config) -> None:
-    """Refuse parallel settings V4.1 cannot be split by, in the user's process."""
-    from deepinfer_vllm.model_executor.layers.parallel import check_vllm_parallel
-
-    check_vllm_parallel(arch, parallel_config)
-
-
-def _validate_checkpoint(arch, model_config) -> set[str] | None:
-    """Check a local checkpoint's safetensors headers against the V4.1 format here, in the
-    user's process, so a bad tensor is named before any engine process starts (the loader
-    checks again in the worker, and is the only check for hub ids). Returns the tensor names
-    (None when the model is not a local folder of safetensors)."""
-    from pathlib import Path
-
-    from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index, validate_checkpoint_index
-
-    model_dir = Path(model_config.model)
-    if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
-        return None
-    found = read_safetensors_index(model_dir)
-    validate_checkpoint_index(arch, found)
-    return set(found)
-
-
-def _configure_dspark(vllm_config, arch, checkpoint_names: set[str] | None):
-    """Validate DSpark for V4.1 and hand vLLM's V1 runner DeepInfer's proposer (``spec_decode.config``)."""
-    from deepinfer_vllm.spec_decode.config import configure_dspark
-
-    return configure_dspark(vllm_config, arch, checkpoint_names)

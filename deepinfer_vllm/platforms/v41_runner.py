@@ -4,18 +4,16 @@ vLLM's runner is reused as is; :class:`V41RunnerMixin` only adds what V4.1
 needs and the V1 runner does not do, none of it device-specific:
 
 * each request's prompt length in the step metadata, which anchors DeepInfer's
-  prefill truncation of the decoder half (``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE``);
+  prefill truncation of the decoder half (``DEEPINFER_PREFILL_TRUNCATION_MODE``);
 * DSpark drafting (``spec_decode``): the drafts of every step, their
   distributions for vLLM's rejection sampler, and the cost table of adaptive
   verification, profiled once the KV caches exist;
 * seeded sampling across prefill chunks: after a step that ends inside a
-  prompt, vLLM discards the request's sample and rewinds its generator with
-  ``set_offset(get_offset() - 4)``: CUDA's Philox bookkeeping (the offset a
-  sampling kernel advances), which CPU generators lack (the engine dies) and
-  which need not hold for an NPU's generator. The runner keeps every such
-  generator's state from before sampling and restores that instead, exact on
-  any device, so a seeded request draws the same numbers however its prompt is
-  chunked (alone or in a batch);
+  prompt, vLLM discards the request's sample and rewinds its generator by
+  CUDA's offset, which CPU generators lack (the engine dies) and which need not
+  hold for an NPU's generator; the runner restores the generator's state from
+  before sampling instead (``patch.generator_rewind``), so a seeded request draws
+  the same numbers however its prompt is chunked;
 * with adaptive verification, step times measured on the device: the clock is
   read after the device finished (``_sync_device``), not when the host has
   only queued the work.
@@ -32,9 +30,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-import numpy as np
-
 from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
+from deepinfer_vllm.patch import generator_rewind
 from deepinfer_vllm.spec_decode.proposer import DSparkProposer
 
 # Adaptive verification's start-up profile stops here; larger steps are
@@ -69,31 +66,19 @@ class V41RunnerMixin:
     _rewind: dict | None = None
 
     def _sample(self, logits, spec_decode_metadata):
-        # Requests whose sample this step discards (a prompt chunk that is not the
-        # last): remember their generators' state before the sampler draws. A device
-        # generator's state (seed and offset) lives on the host, and the sampler's kernels
-        # took their offsets when launched, so restoring it after launch is exact.
-        rewind = {}
+        # The generators of requests whose sample this step discards (a prompt chunk that
+        # is not the last), saved before the sampler draws (``patch.generator_rewind``).
         num_reqs = self.input_batch.num_reqs
-        for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0].tolist():
-            gen = self.input_batch.generators.get(i)
-            if gen is not None:
-                rewind[i] = (gen, gen.get_state())
-        self._rewind = rewind
+        self._rewind = generator_rewind.save_discarded(
+            self.input_batch.generators, self.discard_request_mask.np[:num_reqs]
+        )
         return super()._sample(logits, spec_decode_metadata)
 
     def _bookkeeping_sync(self, *args, **kwargs):
-        # Restore those states, and hide the generators from vLLM's offset rewind.
+        # Those states restored, and the generators hidden from vLLM's CUDA offset rewind.
         rewind, self._rewind = self._rewind or {}, None
-        generators = self.input_batch.generators
-        for i, (gen, state) in rewind.items():
-            gen.set_state(state)
-            generators.pop(i, None)
-        try:
+        with generator_rewind.apply(self.input_batch.generators, rewind):
             return super()._bookkeeping_sync(*args, **kwargs)
-        finally:
-            for i, (gen, _) in rewind.items():
-                generators[i] = gen
 
     # ---------------------------------------------------------------- DSpark
     def _dspark(self) -> DSparkProposer | None:
@@ -171,6 +156,6 @@ class V41WorkerMixin:
     def deepinfer_weight_bytes(self) -> dict[str, dict[str, int]]:
         """This worker's resident weight bytes per component, beside the checkpoint's
         (``collective_rpc("deepinfer_weight_bytes")``; ``deepinfer-weight-bytes``)."""
-        from deepinfer_vllm.model_executor.weight_bytes import weight_bytes
+        from deepinfer_vllm.model_executor.resident_bytes import weight_bytes
 
         return weight_bytes(self.model_runner.get_model())

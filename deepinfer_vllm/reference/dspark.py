@@ -1,4 +1,5 @@
-"""DSpark drafter, full-sequence PyTorch reference (spec §13.1-13.3, deepinfer-design §2.2-2.4).
+"""DSpark drafter, full-sequence PyTorch reference (docs/architecture.md, "DSpark";
+docs/design-notes.md, "DSpark").
 
 Given a sequence ``x_0 .. x_p`` that the target has verified and the bonus token ``a`` it
 sampled for position ``p+1``, the reference:
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_vllm.configs import V41Arch
-from deepinfer_vllm.model_executor.checkpoint import DSPARK_PREFIX, iter_dequantized
+from deepinfer_vllm.configs.checkpoint import DSPARK_PREFIX, iter_dequantized
 from deepinfer_vllm.ops.dspark import confidence, context_window, draft_inputs, markov_logits, target_features
 from deepinfer_vllm.ops.mhc import hc_collapse, hc_expand, hc_mix, identity_pre
 from deepinfer_vllm.ops.moe import moe_forward, route_sqrtsoftplus
@@ -71,7 +72,7 @@ def load_dspark_weights(arch: V41Arch, model_dir: str | Path) -> Weights:
 def stack_experts(arch: V41Arch, w: Weights) -> Weights:
     """Move ``mtp.{k}.ffn.experts.{e}.w{1,2,3}.weight`` into ``mtp.{k}.ffn.experts.w{1,2,3}`` stacks."""
     out = dict(w)
-    for k in range(arch.num_mtp_layers):
+    for k in range(arch.num_dspark_layers):
         p = f"mtp.{k}.ffn.experts"
         for proj in ("w1", "w2", "w3"):
             names = [f"{p}.{e}.{proj}.weight" for e in range(arch.dspark_n_routed_experts)]
@@ -138,7 +139,7 @@ class ReferenceDSpark:
         streams = e.unsqueeze(1).expand(R * k, a.hc_mult, e.shape[-1]).contiguous()
         pre = identity_pre(R * k, a.hc_mult)
         is_image = ids == a.image_token_id
-        for layer in range(a.num_mtp_layers):
+        for layer in range(a.num_dspark_layers):
             p = f"mtp.{layer}"
             pre_a, post_a, comb_a = self._mix(w, p, "attn", streams)
             x = rms_norm(hc_collapse(streams, pre), w[f"{p}.attn_norm.weight"], a.rms_norm_eps)
@@ -150,7 +151,7 @@ class ReferenceDSpark:
             streams = hc_expand(self._moe(w, layer, xf, is_image), streams, post_f, comb_f)
             pre = pre_f
         hh = hc_collapse(streams, pre)
-        last = f"mtp.{a.num_mtp_layers - 1}"
+        last = f"mtp.{a.num_dspark_layers - 1}"
         h = rms_norm(hh, w[f"{last}.norm.weight"], a.rms_norm_eps)
         base = gemm(h, self.target.w["head.weight"], torch.float32)
         return hh, base
@@ -210,7 +211,7 @@ class ReferenceDSpark:
         ctx_pos, _ = context_window(anchor, a.sliding_window)
         main = self.main(f)[ctx_pos.clamp_min(0)]  # [1, W, D]
         hh, base = self.block_outputs(main, torch.tensor([bonus]), anchor, k)
-        last = f"mtp.{a.num_mtp_layers - 1}"
+        last = f"mtp.{a.num_dspark_layers - 1}"
         embed, head = self.w[f"{last}.markov_head.embed.weight"], self.w[f"{last}.markov_head.head.weight"]
         proj = self.w.get(f"{last}.confidence_head.proj.weight")
         prev = torch.tensor([bonus])

@@ -1,4 +1,4 @@
-"""Full-sequence reference forward of DeepSeek-V4.1 (spec §4-§9, §11, §16; design §1.3-§1.9, §3).
+"""Full-sequence reference forward of DeepSeek-V4.1 (docs/architecture.md, docs/design-notes.md).
 
 This is the oracle the vLLM model class is compared against token for token. It runs ONE
 sequence at positions ``0..T-1`` through the whole backbone with no KV cache: every layer
@@ -14,11 +14,11 @@ Numerics (what the vLLM model reproduces)
     The logits are ``gemm(h, head, float32)``.
   * Embedding rows are cast to ``dtype`` and broadcast to ``hc_mult`` identical streams; the
     pre-mix entering layer 0 is the identity (one-hot on stream 0).
-  * Block L, single-pass mHC (spec §4/§5): [Engram] -> mix(attn site) -> attention on
-    ``rms_norm(collapse(streams, pre_in))`` -> expand -> mix(ffn site) -> MoE on
+  * Block L, single-pass mHC ("Forward pass", "Hyper-connections (mHC)"): [Engram] -> mix(attn site)
+    -> attention on ``rms_norm(collapse(streams, pre_in))`` -> expand -> mix(ffn site) -> MoE on
     ``rms_norm(collapse(streams, pre_attn))`` -> expand; the FFN site's pre-mix is the next
     block's ``pre_in``. End of stack: ``rms_norm(collapse(streams, pre_ffn_last), norm)``.
-  * Attention CSA2 (spec §6): q from ``wq_a -> q_norm -> wq_b -> RoPE``; window KV
+  * Attention CSA2 ("Attention (CSA2)"): q from ``wq_a -> q_norm -> wq_b -> RoPE``; window KV
     ``wkv -> kv_norm -> RoPE -> MXFP8``; compressor latents of complete groups (fp32 ratio-2
     pooling, rounded before the norm), compressed key ``NVFP4(RoPE(lat, r*j))``, index key
     ``MXFP4(RoPE(k_norm(wk lat), r*j))``; index query ``MXFP4(RoPE(wq_b_idx c_q))``, index
@@ -29,11 +29,11 @@ Numerics (what the vLLM model reproduces)
     grouped ``wo_a`` (fp32 einsum, rounded); ``wo_b``.
   * MoE: sqrt-softplus routing with ``gate.bias`` (``gate.bias_vl`` for image tokens), clamped
     SwiGLU experts plus the shared expert (``ops.moe``).
-  * Engram (spec §8): compressed ids from the checkpoint's tokenizer, n-gram windows with
+  * Engram ("Engram"): compressed ids from the checkpoint's tokenizer, n-gram windows with
     pre-start slots, XOR-rolling hash, FP8 row lookup dequantised to ``dtype``, ``wkv`` and
     the signed-sqrt gate, applied to the streams entering the layer.
 
-Prefill truncation of the decoder half (design §3)
+Prefill truncation of the decoder half (docs/design-notes.md, "Prefill truncation")
   ``truncation_mode="off"``: every layer on every row (training / NeMo semantics).
   ``truncation_mode="mask"`` with ``keep_tokens=K`` (``K >= sliding_window``) and ``data_len = T``:
   in every decoder layer (``role.is_decoder``; the first decoder layer included) the window
@@ -79,7 +79,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_vllm.configs import LayerRole, V41Arch, register_with_transformers
-from deepinfer_vllm.model_executor.checkpoint import (
+from deepinfer_vllm.configs.checkpoint import (
     DSPARK_PREFIX,
     VISION_PREFIXES,
     iter_dequantized,
@@ -124,7 +124,7 @@ class ForwardTrace:
     """Optional record of one forward (pass an instance to ``hidden_states``/``forward``).
 
     ``entry_streams[L]``: the ``[R, hc, D]`` residual streams entering block ``L`` (after block
-    ``L-1``'s FFN expand, before Engram and the attention-site mix; spec §5.4), for the rows
+    ``L-1``'s FFN expand, before Engram and the attention-site mix; "Drafter features"), for the rows
     that block computes; ``entry_positions[L]``: those rows' positions. ``final_hidden``: the
     normalised final hidden state of the computed rows; ``kept_positions``: their positions.
     """
@@ -146,7 +146,7 @@ class _KVSource:
 
 @dataclass
 class _Shared:
-    """Per-forward blackboard flowing down the stack (spec §6.9)."""
+    """Per-forward blackboard flowing down the stack (docs/architecture.md, "Per-forward state")."""
 
     kv: dict[int, _KVSource] = field(default_factory=dict)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [R, index_topk]
@@ -477,7 +477,7 @@ class ReferenceV41:
         window_lo: int,
         shared: _Shared,
     ) -> torch.Tensor:
-        """CSA2 attention of one layer for the rows ``x`` at positions ``pos`` (spec §6).
+        """CSA2 attention of one layer for the rows ``x`` at positions ``pos``.
 
         ``x_kv`` is the attention input of EVERY position ``0..seq_len-1`` (the same tensor as
         ``x`` unless a compact forward dropped rows at this layer); only a KV source's
@@ -531,7 +531,7 @@ class ReferenceV41:
         return _linear(z.reshape(R, -1), w[f"{p}.wo_b.weight"])
 
     def _compress(self, role: LayerRole, x_all: torch.Tensor) -> _KVSource:
-        """Compressed keys and index keys of every complete group (spec §6.5)."""
+        """Compressed keys and index keys of every complete group (docs/architecture.md, "Compressor")."""
         a = self.arch
         p = f"layers.{role.layer_id}.attn"
         w = self.w
@@ -564,7 +564,7 @@ class ReferenceV41:
         shared: _Shared,
     ) -> torch.Tensor:
         """Lightning indexer + hierarchical candidates -> top-k entries ``[R, index_topk]``
-        (ascending, ``-1`` filled; spec §6.6)."""
+        (ascending, ``-1`` filled; docs/architecture.md, "Lightning indexer")."""
         a = self.arch
         p = f"layers.{role.layer_id}.attn.indexer"
         w = self.w

@@ -1,5 +1,5 @@
-"""Confidence-scheduled verification: how many drafts each request verifies (spec §13.4,
-deepinfer-design §2.5).
+"""Confidence-scheduled verification: how many drafts each request verifies (docs/architecture.md,
+"Adaptive verification"; docs/design-notes.md, "Adaptive verification").
 
 Each request's slot ``i`` has an acceptance probability ``c_i`` (the confidence head, or the
 online estimator below when the checkpoint has none). Survivals ``S_i = prod_{j<=i} c_j``
@@ -90,7 +90,7 @@ class CostTable:
 
 
 class OnlineAcceptance:
-    """Acceptance predictor for checkpoints without a confidence head (deepinfer-design §2.5).
+    """Acceptance predictor for checkpoints without a confidence head (docs/architecture.md, "Adaptive verification").
 
     ``P(accept slot i) = sigmoid(omega * f + beta_i)`` with ``f = logit(max_v q_i(v))`` clamped to
     +-40, one shared slope (init 0.5) and per-slot intercepts (init -0.2), refitted every

@@ -1,4 +1,5 @@
-"""DSpark proposer for vLLM's V1 model runner (spec §13.3-13.4, deepinfer-design §2.3-2.5).
+"""DSpark proposer for vLLM's V1 model runner (docs/architecture.md, "Draft step";
+docs/design-notes.md, "Draft sampling and verification").
 
 After every target step the runner hands over each request's accepted tokens. For every
 request that got a bonus token ``a`` at position ``p+1``, one parallel draft forward over
@@ -21,7 +22,7 @@ import torch
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.ops.dspark import confidence, markov_logits
 from deepinfer_vllm.spec_decode.adaptive import CostTable, OnlineAcceptance, choose_draft_counts, survivals
-from deepinfer_vllm.spec_decode.config import dspark_settings
+from deepinfer_vllm.configs.dspark import dspark_settings
 
 __all__ = ["DSparkProposer"]
 
@@ -97,7 +98,7 @@ class DSparkProposer:
             return self.draft_costs(num_reqs)
         # Before any draft ran: the stages' share of a target step over the draft rows.
         a = self.model.arch
-        return self.verify_costs(num_reqs * self.k) * a.num_mtp_layers / a.num_layers
+        return self.verify_costs(num_reqs * self.k) * a.num_dspark_layers / a.num_layers
 
     # one step -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -5,8 +5,8 @@ storage format (FP8 + 32x32 UE8M0 tiles, packed FP4 experts, FP8 Engram rows,
 bf16/fp32 elsewhere), quantised by ``ops.quant``, next to ``config.json`` in
 the released nesting, ``generation_config.json`` and an offline tokenizer.
 
-Weights follow spec §18.4's hygiene and keep activations O(1) through the
-stack: linears draw N(0, 1/fan_in) before quantisation (so FP8/FP4 dequantise
+Weights follow the hygiene of docs/architecture.md, "Tiny tensor shapes", and keep
+activations O(1) through the stack: linears draw N(0, 1/fan_in) before quantisation (so FP8/FP4 dequantise
 to std ~ 1/sqrt(fan_in)), norms are 1, mHC scales 0.1..1 with bases near 0,
 sinks near 0, gate biases small and random, Engram rows and embeddings O(1).
 Each tensor has its own generator seeded from (seed, name): output is
@@ -36,9 +36,10 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from deepinfer_vllm.configs import ConfigError, DeepseekV41Config, V41Arch
-from deepinfer_vllm.model_executor import checkpoint as ckpt
+from deepinfer_vllm.configs import checkpoint as ckpt
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer, engram_primes
+from deepinfer_vllm.tools.threads import one_thread
 from deepinfer_vllm.tools.presets import PRESETS, TRAINED_DRAFT_PRESETS, WEIGHT_PRESETS, get_preset
 from deepinfer_vllm.tools.tokenizer_builder import (
     build_v41_tokenizer,
@@ -48,7 +49,7 @@ from deepinfer_vllm.tools.tokenizer_builder import (
 
 __all__ = ["main", "make_checkpoint", "random_tensors", "resolve_config"]
 
-# Top-level keys of the released config.json (spec §2.1); anything else that a
+# Top-level keys of the released config.json ("Config nesting"); anything else that a
 # flat or Transformers-serialised input carries is dropped.
 _RELEASED_TOP_LEVEL = (
     "architectures",
@@ -65,11 +66,6 @@ _RELEASED_TOP_LEVEL = (
     "vision_config",
 )
 
-_STORAGE = {
-    ckpt.F32: torch.float32,
-    ckpt.BF16: torch.bfloat16,
-}
-
 _NORM = re.compile(r"(?:^|\.|_)norm\d?\.weight$")
 
 
@@ -81,7 +77,7 @@ def _released_layout(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _engram_rows(text: Mapping[str, Any]) -> list[int]:
-    """Table rows per Engram layer: the sum of its primes (spec §8.2)."""
+    """Table rows per Engram layer: the sum of its primes (docs/architecture.md, "Prime tables")."""
     primes = engram_primes(
         text["engram_layer_ids"],
         text["engram_max_ngram_size"],
@@ -104,7 +100,7 @@ def resolve_config(
     config: Mapping[str, Any] | None = None,
     tokenizer: Tokenizer | None = None,
     include_vision: bool = True,
-    include_mtp: bool = True,
+    include_dspark: bool = True,
 ) -> dict[str, Any]:
     """The config.json a checkpoint will carry: preset or given config, with the
     vision/DSpark switches applied and the tokenizer-derived Engram fields set."""
@@ -113,8 +109,8 @@ def resolve_config(
     n_layers = text["num_hidden_layers"]
     if not include_vision:
         cfg["vision_config"] = {**cfg.get("vision_config", {}), "num_hidden_layers": 0}
-    if not include_mtp:
-        text.pop("n_mtp_layers", None)
+    if not include_dspark:
+        text.pop("n_dspark_layers", None)
         text["num_nextn_predict_layers"] = 0
         text["compress_ratios"] = list(text["compress_ratios"][:n_layers])
     if text.get("engram_layer_ids"):
@@ -123,7 +119,7 @@ def resolve_config(
         if given and list(given) != rows:
             raise ConfigError(
                 "text_config.engram_num_embeddings",
-                f"{list(given)} != the prime-table sizes {rows} (spec §8.2)",
+                f"{list(given)} != the prime-table sizes {rows}",
             )
         text["engram_num_embeddings"] = rows
         if tokenizer is not None:
@@ -139,7 +135,7 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def _dense_value(name: str, shape: tuple[int, ...], arch: V41Arch, g: torch.Generator) -> torch.Tensor:
-    """fp32 values of a tensor before quantisation / storage (spec §18.4 hygiene)."""
+    """fp32 values of a tensor before quantisation / storage (see the module docstring)."""
 
     def normal(std: float) -> torch.Tensor:
         return torch.randn(shape, generator=g, dtype=torch.float32) * std
@@ -168,59 +164,26 @@ def _dense_value(name: str, shape: tuple[int, ...], arch: V41Arch, g: torch.Gene
     return normal(shape[-1] ** -0.5)
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run torch single-threaded: the tensors are small, and on a busy host the
-    intra-op thread barriers cost far more than they save."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def random_tensors(
-    arch: V41Arch, seed: int = 0, include_vision: bool = True, include_mtp: bool = True
+    arch: V41Arch, seed: int = 0, include_vision: bool = True, include_dspark: bool = True
 ) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor of ``arch`` in its storage dtype, deterministically."""
-    with _one_thread():
-        return _random_tensors(arch, seed, include_vision, include_mtp)
+    with one_thread():
+        return _random_tensors(arch, seed, include_vision, include_dspark)
 
 
 def _random_tensors(
-    arch: V41Arch, seed: int, include_vision: bool, include_mtp: bool
+    arch: V41Arch, seed: int, include_vision: bool, include_dspark: bool
 ) -> dict[str, torch.Tensor]:
-    specs = ckpt.expected_tensors(arch, include_vision=include_vision, include_mtp=include_mtp)
+    specs = ckpt.expected_tensors(arch, include_vision=include_vision, include_dspark=include_dspark)
     out: dict[str, torch.Tensor] = {}
     for name, spec in specs.items():
         if spec.dtype == ckpt.E8M0:
             continue  # written together with its weight
         g = torch.Generator().manual_seed(_tensor_seed(seed, name))
         shape = (spec.shape[0], 2 * spec.shape[1]) if spec.dtype == ckpt.FP4 else spec.shape
-        out.update(encode_tensor(name, _dense_value(name, shape, arch, g), specs))
+        out.update(ckpt.encode_tensor(name, _dense_value(name, shape, arch, g), specs))
     return out
-
-
-def encode_tensor(name: str, dense: torch.Tensor, specs: Mapping[str, ckpt.TensorSpec]) -> dict[str, torch.Tensor]:
-    """fp32 values of tensor ``name`` in its storage format: the tensor, plus its UE8M0
-    scale for FP8 / FP4 weights (``specs``: ``checkpoint.expected_tensors``)."""
-    spec = specs[name]
-    if spec.dtype == ckpt.FP4:
-        codes, scale = quant.quant_fp4_rows(dense)
-        stored = codes.view(torch.int8)
-    elif spec.dtype == ckpt.FP8:
-        if name.endswith("engram.embed.weight"):
-            codes, scale = quant.quant_fp8_rows(dense)
-        else:
-            codes, scale = quant.quant_fp8_block(dense, ckpt.BLOCK)
-        stored = codes.view(torch.float8_e4m3fn)
-    else:
-        return {name: dense.to(_STORAGE[spec.dtype])}
-    sname = ckpt.scale_name(name)
-    if tuple(scale.shape) != specs[sname].shape:
-        raise AssertionError(f"{sname}: quantiser gave {tuple(scale.shape)}, format says {specs[sname].shape}")
-    return {name: stored, sname: scale.view(torch.float8_e8m0fnu)}
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -234,13 +197,13 @@ def make_checkpoint(
     seed: int = 0,
     tokenizer: str = "v41",
     include_vision: bool = True,
-    include_mtp: bool = True,
+    include_dspark: bool = True,
     config_only: bool = False,
 ) -> Path:
     """Write a complete random-weight checkpoint directory and return its path.
 
     ``config`` (nested or flat config.json dict) takes precedence over
-    ``preset`` (default ``tiny``). ``include_vision=False`` / ``include_mtp=False``
+    ``preset`` (default ``tiny``). ``include_vision=False`` / ``include_dspark=False``
     also switch the tower / DSpark stages off in the written config, so the
     directory is self-consistent.
     """
@@ -255,7 +218,7 @@ def make_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     base = _released_layout(config) if config is not None else get_preset(preset or "tiny")
     tok = _build_tokenizer(tokenizer, base["text_config"]["vocab_size"])
-    cfg = resolve_config(config=base, tokenizer=tok, include_vision=include_vision, include_mtp=include_mtp)
+    cfg = resolve_config(config=base, tokenizer=tok, include_vision=include_vision, include_dspark=include_dspark)
     arch = V41Arch.from_config(cfg)
 
     # Weights left by an earlier run would be loaded alongside the new ones.
@@ -315,7 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-vision", action="store_true", help="no vision tower (vision_config.num_hidden_layers = 0)"
     )
     parser.add_argument(
-        "--no-mtp", action="store_true", help="no DSpark stages (num_nextn_predict_layers = 0)"
+        "--no-dspark",
+        "--no-mtp",  # the release's name for the stages' tensors (mtp.*); kept as an alias
+        dest="no_dspark",
+        action="store_true",
+        help="no DSpark stages (num_nextn_predict_layers = 0)",
     )
     parser.add_argument(
         "--config-only",
@@ -337,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         tokenizer=args.tokenizer,
         include_vision=not args.no_vision,
-        include_mtp=not args.no_mtp,
+        include_dspark=not args.no_dspark,
     )
     n = len(ckpt.read_safetensors_index(path))
     print(f"wrote {n} tensors to {path}", file=sys.stderr)

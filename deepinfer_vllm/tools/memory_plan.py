@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_vllm.model_executor.weight_bytes import component_of
+from deepinfer_vllm.model_executor.resident_bytes import component_of
 
 __all__ = ["RankPlan", "main", "plan"]
 
@@ -113,7 +113,7 @@ def _vllm_config(model_dir: Path, tp: int, dp: int, ep: int, max_model_len: int 
 
 def _not_held(arch) -> dict[str, int]:
     """Checkpoint bytes of the DSpark stages and the vision tower (whole model)."""
-    from deepinfer_vllm.model_executor import checkpoint
+    from deepinfer_vllm.configs import checkpoint
     from deepinfer_vllm.model_executor.quantization import TORCH_DTYPES
 
     out = {"dspark": 0, "vision": 0}

@@ -1,12 +1,12 @@
 """config.json presets: ``tiny`` and ``small`` for random-weight checkpoints, ``flash`` the release.
 
-``tiny`` is the spec's test configuration (§18.1) verbatim, except that
+``tiny`` is the test configuration of docs/architecture.md, "Tiny config", except that
 ``engram_compressed_vocab_size`` is left for the maker: it must equal the class
 count of whatever tokenizer is written next to the weights. ``small`` changes
 every dimension that tiny keeps at a coincidental value (heads per group,
 ranks, window, three n-gram orders, one DSpark stage owning both the first- and
 last-stage heads, a wider vision tower), so shape mix-ups show up.
-``flash`` is the released configuration (spec §2), used without weights.
+``flash`` is the released configuration ("Text config"), used without weights.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from deepinfer_vllm.configs import ARCHITECTURE, MODEL_TYPE
+
 __all__ = ["PRESETS", "TRAINED_DRAFT_PRESETS", "WEIGHT_PRESETS", "flash_config", "get_preset"]
 
-# spec §2.4: the released quantisation (identical for every preset).
+# The released quantisation (docs/architecture.md, "Quantisation config"), identical for every preset.
 _QUANTIZATION = {
     "quant_method": "fp8",
     "activation_scheme": "dynamic",
@@ -27,10 +29,10 @@ _QUANTIZATION = {
 }
 
 _TOP_LEVEL = {
-    "architectures": ["DeepseekV41ForCausalLM"],
-    "model_type": "deepseek_v41",
+    "architectures": [ARCHITECTURE],
+    "model_type": MODEL_TYPE,
     "torch_dtype": "bfloat16",
-    # DeepInfer's loader reads ``dtype`` (design §1.1), Transformers 4 ``torch_dtype``.
+    # DeepInfer's loader reads ``dtype``, Transformers 4 ``torch_dtype``.
     "dtype": "bfloat16",
     "bos_token_id": 0,
     "eos_token_id": 1,
@@ -99,7 +101,7 @@ _TINY_TEXT = {
     "candidate_topk_blocks": 3,
     "candidate_block_size": 2,
     "engram_layer_ids": [1],
-    "engram_num_embeddings": [290],  # primes 67, 71 | 73, 79 (spec §18.3)
+    "engram_num_embeddings": [290],  # primes 67, 71 | 73, 79 ("Tiny layer map")
     "engram_max_ngram_size": 3,
     "engram_vocab_size": 64,
     "engram_n_heads": 2,
@@ -135,7 +137,7 @@ _SMALL_TEXT = {
     "o_lora_rank": 128,
     "o_groups": 4,
     "max_position_embeddings": 4096,
-    # The nested form newer checkpoints may ship (spec §2.2 rope_scaling).
+    # The nested ``rope_scaling`` form newer checkpoints may ship ("Text config").
     "rope_scaling": {
         "main": {"rope_type": "default"},
         "compress": {
@@ -180,12 +182,12 @@ _SMALL_VISION = {
     "max_image_tokens": 64,
 }
 
-# The released Flash config.json as spec §2.2-§2.4 describe it, at its real
+# The released Flash config.json (docs/architecture.md, "Configuration"), at its real
 # size: for sizing, validation and memory plans (``deepinfer-memory-plan``);
 # ``make_checkpoint`` writes its config only (the weights are ~0.75 TB).
 _FLASH = {
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "model_type": "deepseek_v41",
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
         "dtype": "bfloat16",
         "bos_token_id": 0,
         "eos_token_id": 1,

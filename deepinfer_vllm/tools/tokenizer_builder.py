@@ -1,8 +1,9 @@
 """Offline, deterministic tokenizers for random-weight V4.1 checkpoints.
 
 The real tokenizer is not needed to exercise the model, but its *layout* is:
-Engram derives its compressed vocabulary from the tokenizer (spec §8.1), chat
-encoding and the tool parser look for the V4.1 special strings (§15), and
+Engram derives its compressed vocabulary from the tokenizer ("Token-id compression"), chat
+encoding and the tool parser look for the V4.1 special strings ("Tokenizer and chat format";
+both in docs/architecture.md), and
 DSpark/vision use fixed ids (noise 128799, image 129264). ``build_v41_tokenizer``
 makes a byte-level BPE with exactly ``vocab_size`` ids and that layout, built
 from a word list in this module, with no network access:
@@ -57,7 +58,8 @@ FULL_VOCAB_SIZE = 129280
 RESERVED_START = 128000  # first reserved id of the full-size vocabulary
 CHAT_BASE_ID = 128800
 
-# Every V4.1 string of spec §15 (roles, reasoning, tasks, DSML tool-call markers).
+# Every V4.1 special string (roles, reasoning, tasks, DSML tool-call markers): docs/architecture.md,
+# "Tokenizer and chat format".
 CHAT_TOKENS = (
     "<｜System｜>",
     "<｜User｜>",

@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_vllm.model_executor import checkpoint as ckpt
+from deepinfer_vllm.configs import checkpoint as ckpt
 from deepinfer_vllm.ops.dspark import confidence, context_window, markov_logits
 from deepinfer_vllm.ops.quant import mxfp8_qdq
+from deepinfer_vllm.tools.threads import one_thread
 
 __all__ = ["Recipe", "recipe_prompts", "train_draft"]
 
@@ -103,7 +104,7 @@ def _forward(drafter, w, ex: _Examples, idx: torch.Tensor, k: int):
     main = drafter.main(ex.f[idx].to(drafter.target.dtype), w)
     hh, base = drafter.block_outputs(main, ex.bonus[idx], ex.anchor[idx], k, w, qdq=_ste_mxfp8)
     hh, base = hh.view(B, k, -1), base.view(B, k, -1)
-    last = f"mtp.{a.num_mtp_layers - 1}"
+    last = f"mtp.{a.num_dspark_layers - 1}"
     embed, head = w[f"{last}.markov_head.embed.weight"], w[f"{last}.markov_head.head.weight"]
     proj = w.get(f"{last}.confidence_head.proj.weight")
     prev = torch.cat([ex.bonus[idx].unsqueeze(1), ex.labels[idx][:, :-1]], dim=1)
@@ -129,10 +130,9 @@ def train_draft(model_dir: str | Path, recipe: Recipe = Recipe(), log=print) -> 
 
     from deepinfer_vllm.reference.dspark import ReferenceDSpark, load_dspark_weights
     from deepinfer_vllm.reference.model import ReferenceV41
-    from deepinfer_vllm.tools.make_checkpoint import _one_thread, encode_tensor
 
     model_dir = Path(model_dir)
-    with _one_thread():
+    with one_thread():
         torch.manual_seed(recipe.seed)
         g = torch.Generator().manual_seed(recipe.seed)
         target = ReferenceV41.from_pretrained(model_dir, dtype=torch.float32)
@@ -181,10 +181,10 @@ def train_draft(model_dir: str | Path, recipe: Recipe = Recipe(), log=print) -> 
         for name, value in w.items():
             m = _stacked_expert(name)
             if m is None:
-                tensors.update(encode_tensor(name, value.detach().float(), specs))
+                tensors.update(ckpt.encode_tensor(name, value.detach().float(), specs))
                 continue
             for e in range(value.shape[0]):
-                tensors.update(encode_tensor(f"{m[0]}.{e}.{m[1]}.weight", value[e].detach().float(), specs))
+                tensors.update(ckpt.encode_tensor(f"{m[0]}.{e}.{m[1]}.weight", value[e].detach().float(), specs))
         save_file(tensors, str(path), metadata={"format": "pt"})
     return {"recipe": asdict(recipe), "curve": curve, "held_out_accepted_before": before, "held_out_accepted_after": after}
 

@@ -5,7 +5,7 @@
 Starts V4.1 in ``vllm.LLM`` and prints, for every worker (vLLM's
 ``collective_rpc`` into ``V41WorkerMixin.deepinfer_weight_bytes``, which every
 DeepInfer worker has), the resident bytes per component beside the checkpoint's bytes for the same
-tensors (``model_executor.weight_bytes``). Workers also log their line after
+tensors (``model_executor.resident_bytes``). Workers also log their line after
 loading.
 """
 
@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from deepinfer_vllm.model_executor.weight_bytes import format_report
+from deepinfer_vllm.model_executor.resident_bytes import format_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,8 +12,8 @@ from deepinfer_vllm.tools.presets import flash_config, get_preset
 def test_flash_global_kv_is_890_bytes_per_token():
     arch = V41Arch.from_config(flash_config())
     per_token = bytes_per_token(model_caches(arch), block_size=64)
-    # Spec §10.2, worked by hand: compressed 3 x 288 / 2 + 288 = 720 B, index keys
-    # 3 x 68 / 2 + 68 = 170 B -> 890 B per token (the release's figure).
+    # docs/architecture.md, "Bytes per token", worked by hand: compressed 3 x 288 / 2 + 288 = 720 B,
+    # index keys 3 x 68 / 2 + 68 = 170 B -> 890 B per token (the release's figure).
     assert per_token["compressed"] == 720
     assert per_token["index"] == 170
     assert per_token["global"] == 890
@@ -24,7 +24,8 @@ def test_flash_global_kv_is_890_bytes_per_token():
 def test_tiny_global_kv_is_534_bytes_per_token():
     arch = V41Arch.from_config(get_preset("tiny"))
     per_token = bytes_per_token(model_caches(arch), block_size=64)
-    # Spec §18.5 check 4: layer 1 (ratio 2) 288/2 + 68/2, layer 3 (ratio 1) 288 + 68.
+    # docs/architecture.md, "Tiny checks", check 4: layer 1 (ratio 2) 288/2 + 68/2,
+    # layer 3 (ratio 1) 288 + 68.
     assert per_token["global"] == 178 + 356
 
 

@@ -1,5 +1,6 @@
 """DeepseekV41Config (nesting, flattening, Transformers round trip) and V41Arch
-(role tables of spec §18.2 and §3, validation errors naming the config key)."""
+(role tables of docs/architecture.md, "Tiny layer map" and "Layer schedule and roles", validation
+errors naming the config key)."""
 
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ def test_tiny_roles_match_spec_18_2(tiny: dict) -> None:
         (4, 1, "reindex", 3, 4, False, True, False, True, "compress"),
         (5, 1, "reuse", 3, 4, False, False, False, True, "compress"),
     ]
-    assert [(r.layer_id, r.kind, r.rope, r.is_decoder) for r in arch.mtp_roles] == [
+    assert [(r.layer_id, r.kind, r.rope, r.is_decoder) for r in arch.dspark_roles] == [
         (6, "swa", "main", False),
         (7, "swa", "main", False),
     ]
@@ -166,7 +167,7 @@ def test_tiny_roles_match_spec_18_2(tiny: dict) -> None:
     assert arch.kv_source_layers == (1, 3)
     assert arch.index_source_layers == (1, 3, 4)
     assert arch.candidate_source_layer == 3
-    assert arch.num_mtp_layers == 2
+    assert arch.num_dspark_layers == 2
     assert (arch.dspark_n_routed_experts, arch.dspark_top_k) == (4, 3)
     assert (arch.n_routed_experts, arch.top_k) == (8, 2)
     assert (arch.nope_dim, arch.rope_dim, arch.hc_mix_dim) == (448, 64, 24)
@@ -183,7 +184,7 @@ def test_tiny_roles_match_spec_18_2(tiny: dict) -> None:
 def test_flash_roles_match_spec_3() -> None:
     arch = V41Arch.from_config(flash_config())
     roles = arch.roles
-    assert len(roles) == 40 and len(arch.mtp_roles) == 3
+    assert len(roles) == 40 and len(arch.dspark_roles) == 3
     full = [r.layer_id for r in roles if r.kind == "full"]
     reindex = [r.layer_id for r in roles if r.kind == "reindex"]
     swa = [r.layer_id for r in roles if r.kind == "swa"]
@@ -197,7 +198,7 @@ def test_flash_roles_match_spec_3() -> None:
     assert [r.layer_id for r in roles if r.is_decoder] == list(range(20, 40))
     assert all(r.ratio == 2 for r in roles[2:20]) and all(r.ratio == 1 for r in roles[20:])
     assert all(r.rope == "compress" for r in roles[2:]) and roles[1].rope == "main"
-    # Reuse layers read the most recent sources (spec §3 table).
+    # Reuse layers read the most recent sources ("Layer schedule and roles").
     assert [roles[i].kv_source for i in (3, 7, 9, 13, 15, 19)] == [2, 2, 8, 8, 14, 14]
     assert {roles[i].kv_source for i in range(20, 40)} == {20}
     assert [roles[i].index_source for i in (21, 23, 25, 27, 29, 33, 37, 39)] == [
@@ -210,7 +211,7 @@ def test_flash_roles_match_spec_3() -> None:
         36,
         36,
     ]
-    assert [r.layer_id for r in arch.mtp_roles] == [40, 41, 42]
+    assert [r.layer_id for r in arch.dspark_roles] == [40, 41, 42]
     assert (arch.dspark_n_routed_experts, arch.dspark_top_k, arch.dspark_target_layer_ids) == (
         128,
         3,
@@ -222,7 +223,7 @@ def test_flash_roles_match_spec_3() -> None:
 def test_both_compress_ratio_lengths_are_accepted(tiny: dict) -> None:
     tiny["text_config"]["compress_ratios"] = tiny["text_config"]["compress_ratios"][:6]
     arch = V41Arch.from_config(tiny)
-    assert arch.compress_ratios == (0, 2, 2, 1, 1, 1) and len(arch.mtp_roles) == 2
+    assert arch.compress_ratios == (0, 2, 2, 1, 1, 1) and len(arch.dspark_roles) == 2
 
 
 def test_nested_rope_scaling_form() -> None:
@@ -265,7 +266,7 @@ _BAD = [
     ("o_groups", _text(o_groups=3), "text_config.o_groups"),
     ("ratios_length", _text(compress_ratios=[0, 2, 2, 1, 1, 1, 0]), "text_config.compress_ratios"),
     ("ratio_value", _text(compress_ratios=[0, 4, 4, 1, 1, 1, 0, 0]), "text_config.compress_ratios"),
-    ("mtp_ratio", _text(compress_ratios=[0, 2, 2, 1, 1, 1, 0, 2]), "text_config.compress_ratios"),
+    ("dspark_ratio", _text(compress_ratios=[0, 2, 2, 1, 1, 1, 0, 2]), "text_config.compress_ratios"),
     ("layers_vs_ratios", _text(num_hidden_layers=5), "text_config.compress_ratios"),
     (
         "swa_source",

@@ -19,8 +19,8 @@ import torch
 from request_options import Server, run_matrix
 from server_process import TWO_WORKERS, openai_server
 
-from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index
-from deepinfer_vllm.model_executor.weight_bytes import component_of
+from deepinfer_vllm.configs.checkpoint import read_safetensors_index
+from deepinfer_vllm.model_executor.resident_bytes import component_of
 
 BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
 

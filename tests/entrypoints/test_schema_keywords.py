@@ -1,4 +1,4 @@
-"""Schema keywords xgrammar cannot enforce (``entrypoints/schema_keywords.py``), each claim
+"""Schema keywords xgrammar cannot enforce (``patch/schema_keywords.py``), each claim
 checked against xgrammar itself and ``jsonschema``:
 
 * refused: xgrammar's grammar (as the plugin compiles it for V4.1) accepts a value that
@@ -23,8 +23,8 @@ import vllm  # noqa: F401  (vLLM's import order)
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from deepinfer_vllm.entrypoints.schema_keywords import json_path, unenforced
-from deepinfer_vllm.entrypoints.structured_outputs import BoundedGrammarCompiler
+from deepinfer_vllm.patch.schema_keywords import json_path, unenforced
+from deepinfer_vllm.patch.structured_outputs import BoundedGrammarCompiler
 
 I = {"type": "integer"}  # noqa: E741
 _DEFS = {"s": {"type": "string", "maxLength": 4}}
@@ -456,7 +456,7 @@ FORMATS = [  # (format, an instance, a non-instance)
 def test_formats_xgrammar_lacks_are_refused(compiler, fmt, good, bad):
     """The formats of ``SUPPORTED_FORMATS`` hold in the grammar; the other standard ones
     admit any string and are refused."""
-    from deepinfer_vllm.entrypoints.schema_keywords import SUPPORTED_FORMATS
+    from deepinfer_vllm.patch.schema_keywords import SUPPORTED_FORMATS
 
     schema = {"type": "string", "format": fmt}
     grammar = compiler.compile_json_schema(json.dumps(schema)).grammar

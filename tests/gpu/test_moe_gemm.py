@@ -1,6 +1,6 @@
 """ops/triton/moe_gemm.py (grouped E2M1 expert GEMM) against ``ops.quant_gemm.grouped_fp4_gemm``.
 
-Identical inputs, both act modes and every design; random expert offsets with empty experts
+Identical inputs, both act modes; random expert offsets with empty experts
 and rows past ``offsets[-1]`` (which must come out exactly zero: the output memory is
 poisoned first). fp32 outputs within ``2e-6 * K * (|x_used| @ |W|.T)``, bf16 within one bf16
 ulp of the fp32 reference; row programs fewer than the row tiles (the persistent loop) give
@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 from conftest import INTERPRET, poison_, shapes
-from test_fp8_gemm import MODES, check, make_x
+from test_fp8_gemm import ACTS, check, make_x
 
 from deepinfer_vllm.ops import quant, quant_gemm
 from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm
@@ -72,7 +72,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("act,design", MODES)
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "e,n,k,r,cfg",
@@ -87,23 +87,23 @@ CONFIGS = [
         ],
     ),
 )
-def test_moe_gemm_matches_reference(device, act, design, out_dtype, e, n, k, r, cfg):
+def test_moe_gemm_matches_reference(device, act, out_dtype, e, n, k, r, cfg):
     w, s = make_experts(e, n, k, seed=e + n + k, device=device)
     x = make_x(r, k, seed=r, device=device)
     offs = make_offsets(
         e, r, seed=r + e, device=device, tail=min(3, r - 1), dtype=torch.int64 if r % 2 else torch.int32
     )
     poison_(torch.empty(r, n, dtype=out_dtype, device=device))  # the allocator hands this memory out next
-    got = grouped_fp4_gemm(x, offs, w, s, act, out_dtype, design=design, config=CONFIGS[cfg])
+    got = grouped_fp4_gemm(x, offs, w, s, act, out_dtype, config=CONFIGS[cfg])
     ref = quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32)
     assert got.shape == (r, n) and got.dtype == out_dtype
     check_grouped(got, ref, x, act, w, s, offs)
 
 
-@pytest.mark.parametrize("act,design", MODES)
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("grid_m", [1, 2, 3])
-def test_moe_gemm_persistent_rows(device, act, design, split, grid_m):
+def test_moe_gemm_persistent_rows(device, act, split, grid_m):
     """Fewer row programs than row tiles: each loops over expert tiles and then the tiles past
     offsets[-1]; bit-equal to the default grid (one tile per program here) and to the reference."""
     e, n, k, r = 6, 64, 128, 45
@@ -111,22 +111,22 @@ def test_moe_gemm_persistent_rows(device, act, design, split, grid_m):
     x = make_x(r, k, seed=22, device=device)
     offs = make_offsets(e, r, seed=23, device=device, tail=37)  # 3 of the 3-4 row tiles zeroed
     cfg = dict(BM=16, BN=32, BK=64, SPLIT=split, num_warps=4)
-    want = grouped_fp4_gemm(x, offs, w, s, act, torch.bfloat16, design=design, config=cfg)
+    want = grouped_fp4_gemm(x, offs, w, s, act, torch.bfloat16, config=cfg)
     poison_(torch.empty(r, n, dtype=torch.bfloat16, device=device))
     cfg_m = {**cfg, "GRID_M": grid_m}
-    got = grouped_fp4_gemm(x, offs, w, s, act, torch.bfloat16, design=design, config=cfg_m)
+    got = grouped_fp4_gemm(x, offs, w, s, act, torch.bfloat16, config=cfg_m)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     check_grouped(got, quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32), x, act, w, s, offs)
 
 
-@pytest.mark.parametrize("act,design", MODES)
-def test_moe_gemm_deterministic(device, act, design):
+@pytest.mark.parametrize("act", ACTS)
+def test_moe_gemm_deterministic(device, act):
     e, n, k, r = (5, 64, 128, 30) if INTERPRET else (48, 4608, 5120, 192)
     w, s = make_experts(e, n, k, seed=1, device=device)
     x = make_x(r, k, seed=2, device=device)
     offs = make_offsets(e, r, seed=3, device=device)
-    a = grouped_fp4_gemm(x, offs, w, s, act, design=design)
-    b = grouped_fp4_gemm(x, offs, w, s, act, design=design)
+    a = grouped_fp4_gemm(x, offs, w, s, act)
+    b = grouped_fp4_gemm(x, offs, w, s, act)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 

@@ -189,7 +189,7 @@ def test_choose_block_reduction():
     assert choose_block_reduction(8192, 512) == 2
     assert choose_block_reduction(16384, 2048) == 1
     assert choose_block_reduction(7, 4) == 1
-    # the register path: both tiles near 4096 (benchmarks/README.md, run 11)
+    # the register path: both tiles near 4096 (benchmarks/HISTORY.md, run 11)
     assert choose_reg_reduction(8192, 512) == 8
     assert choose_reg_reduction(16384, 512) == 8
     assert choose_reg_reduction(32768, 512) == 8

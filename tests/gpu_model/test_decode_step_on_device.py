@@ -65,7 +65,7 @@ def _copy_into(static: tuple, new: tuple) -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_decode_step_never_waits_for_the_host(preset, request):
     harness, nxt = _prefilled(request.getfixturevalue(f"{preset}_checkpoint"))
-    assert {m._kernels for m in harness.model.modules() if isinstance(m, V41Attention)} == {"triton"}
+    assert {m.attention_backend for m in harness.model.modules() if isinstance(m, V41Attention)} == {"triton"}
     prepared = harness.prepare([("a", [nxt[0]]), ("b", [nxt[1]])])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -48,7 +48,7 @@ def _reference_logits(checkpoint: str, dtype: torch.dtype) -> dict[str, torch.Te
 
 
 def _used(harness: PagedHarness) -> list[str]:
-    return sorted({m._kernels for m in harness.model.modules() if isinstance(m, V41Attention)})
+    return sorted({m.attention_backend for m in harness.model.modules() if isinstance(m, V41Attention)})
 
 
 def _greedy(harness: PagedHarness, rid: str, prompt: list[int], n: int) -> list[int]:

@@ -11,8 +11,8 @@ import sys
 import torch
 from v41_harness import PagedHarness
 
-from deepinfer_vllm.attention_backends import kernel_select
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
+from deepinfer_vllm.ops import dispatch
 
 SCHEDULE = [("a", 0, 23), ("b", 0, 9), ("a", 23, 40), ("b", 9, 31), ("a", 40, 41), ("b", 31, 32), ("a", 41, 42)]
 
@@ -38,8 +38,8 @@ def main(checkpoint: str, out_path: str) -> None:
         for rid, a, b in step:
             logits[rid].append(out[i : i + b - a])
             i += b - a
-    used = {m._kernels for m in harness.model.modules() if isinstance(m, V41Attention)}
-    fused = sorted(key for key in kernel_select._logged if key[0] == "fused")
+    used = {m.attention_backend for m in harness.model.modules() if isinstance(m, V41Attention)}
+    fused = [key for key in dispatch.chosen() if key[0] == "fused"]
     torch.save({"used": sorted(used), "fused": fused, **{k: torch.cat(v) for k, v in logits.items()}}, out_path)
 
 

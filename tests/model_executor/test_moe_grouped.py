@@ -49,7 +49,7 @@ def _routing(dtype, seed: int, tokens: int = 11):
     ids=["one-rank", "expert-parallel", "split"],
 )
 def test_grouped_equals_expert_by_expert(layout, dtype, activations, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_GEMM_ACTIVATIONS", activations)
+    monkeypatch.setenv("DEEPINFER_GEMM_ACTIVATIONS", activations)  # read when the layer is built
     mod = _experts(layout, seed=1)
     x, weights, ids = _routing(dtype, seed=2)
     loop = mod.partial(x, weights, ids, limit=2.0, grouped=False)
@@ -62,10 +62,13 @@ def test_grouped_equals_expert_by_expert(layout, dtype, activations, monkeypatch
 
 
 def test_mxfp8_activations_change_the_result(monkeypatch):
-    """The setting is honoured (a GEMM input of MXFP8 values differs from bf16 ones)."""
-    mod = _experts(ParallelLayout(), seed=3)
+    """The setting is honoured (a GEMM input of MXFP8 values differs from bf16 ones); it is
+    read when the layer is built, so a layer built before a change keeps its setting."""
     x, weights, ids = _routing(torch.bfloat16, seed=4)
     monkeypatch.setenv("DEEPINFER_GEMM_ACTIVATIONS", "bf16")
+    mod = _experts(ParallelLayout(), seed=3)
     plain = mod.partial(x, weights, ids, limit=2.0, grouped=True)
     monkeypatch.setenv("DEEPINFER_GEMM_ACTIVATIONS", "mxfp8")
-    assert not torch.equal(plain, mod.partial(x, weights, ids, limit=2.0, grouped=True))
+    assert torch.equal(plain, mod.partial(x, weights, ids, limit=2.0, grouped=True))
+    mx = _experts(ParallelLayout(), seed=3)
+    assert not torch.equal(plain, mx.partial(x, weights, ids, limit=2.0, grouped=True))

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from v41_harness import PagedHarness
 
-from deepinfer_vllm.model_executor.checkpoint import CheckpointFormatError
+from deepinfer_vllm.configs.checkpoint import CheckpointFormatError
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -76,10 +76,10 @@ def test_prefill_truncation_mask_and_compact_are_bit_identical(tiny_checkpoint, 
     """DeepInfer's prefill truncation: ``mask`` and ``compact`` agree bit for bit on
     every row they both compute, and both equal the reference in that mode."""
     prompt, keep = _prompt(80, 6), 20
-    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", str(keep))
+    monkeypatch.setenv("DEEPINFER_PREFILL_TRUNCATION_KEEP_TOKENS", str(keep))
     logits = {}
     for mode in ("off", "mask", "compact"):
-        monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", mode)
+        monkeypatch.setenv("DEEPINFER_PREFILL_TRUNCATION_MODE", mode)
         harness = PagedHarness(tiny_checkpoint, dtype="float32")
         logits[mode] = _run_chunks(harness, mode, prompt, [33, 30, 17], prompt_len=len(prompt))
         ref = tiny_reference.forward(prompt, truncation_mode=mode, keep_tokens=keep)
@@ -149,8 +149,9 @@ def test_bf16_whole_prefill_equals_reference(tiny_checkpoint):
 
 
 def test_bf16_chunked_prefill_agrees_with_whole_prefill(tiny_checkpoint):
-    """bf16 keeps the spec's fp32 islands, which round differently for different row
-    counts; behind FP8/FP4 caches that can flip a bin. Stated as agreement, not equality."""
+    """A bf16 model still computes some steps in fp32 (norm statistics, softmax, the compressor's
+    projections, GEMM accumulation), and those sums round differently for different row counts;
+    behind FP8/FP4 caches that can flip a bin. Stated as agreement, not equality."""
     harness = PagedHarness(tiny_checkpoint, dtype="bfloat16")
     agree, rows, worst_cos = 0, 0, 1.0
     for seed in range(4):

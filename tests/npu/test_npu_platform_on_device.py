@@ -104,7 +104,7 @@ def test_ue8m0_scales_as_uint8_on_the_npu(layer):
     the Engram tables use gives the host's result."""
     import vllm.platforms
 
-    from deepinfer_vllm.model_executor.layers.weights import ue8m0_dtype
+    from deepinfer_vllm.model_executor.layers.params import ue8m0_dtype
     from deepinfer_vllm.ops import quant
     from deepinfer_vllm.platforms.ascend.platform import DeepInferAscendPlatform
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer_vllm.model_executor.layers import dequant
-from deepinfer_vllm.ops import quant
+from deepinfer_vllm.ops import quant, weight_gemm
 from deepinfer_vllm.ops.indexer import index_scores
 from deepinfer_vllm.ops.mhc import hc_mix
 from deepinfer_vllm.ops.moe import route_sqrtsoftplus
@@ -119,10 +118,13 @@ def test_quantised_gemms_rows_are_independent_of_the_batch(invariant):
     """FP8 32x32 block and packed FP4 GEMMs (the dense layers and the experts), bf16 rows."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(256, 128, generator=g) * 0.05
-    codes, scale = quant.quant_fp8_block(w, dequant.FP8_TILE)
+    codes, scale = quant.quant_fp8_block(w, weight_gemm.FP8_TILE)
     packed, scale4 = quant.quant_fp4_rows(w)
     x = torch.randn(40, 128, generator=g).to(torch.bfloat16)
-    for gemm in (lambda r: dequant.gemm_fp8(r, codes, scale), lambda r: dequant.gemm_fp4(r, packed, scale4)):
+    for gemm in (
+        lambda r: weight_gemm.gemm_fp8(r, codes, scale),
+        lambda r: weight_gemm.gemm_fp4(r, packed, scale4),
+    ):
         full = gemm(x)
         assert full.dtype == torch.bfloat16
         assert torch.equal(_rows_alone(gemm, x), full)
@@ -144,11 +146,11 @@ def test_model_ops_rows_are_independent_of_the_batch(invariant):
     gate = torch.randn(E, D, generator=g).to(torch.bfloat16)
     weights, ids = route_sqrtsoftplus(x, gate, torch.zeros(E), 2, 1.5)
     head = torch.randn(300, D, generator=g).to(torch.bfloat16)
-    logits = dequant.gemm_stored(x, head, torch.float32)
+    logits = weight_gemm.gemm_stored(x, head, torch.float32)
     for i in (0, 17, T - 1):
         w1, i1 = route_sqrtsoftplus(x[i : i + 1], gate, torch.zeros(E), 2, 1.5)
         assert torch.equal(w1[0], weights[i]) and torch.equal(i1[0], ids[i])
-        assert torch.equal(dequant.gemm_stored(x[i : i + 1], head, torch.float32)[0], logits[i])
+        assert torch.equal(weight_gemm.gemm_stored(x[i : i + 1], head, torch.float32)[0], logits[i])
 
 
 def test_index_scores_rows_are_independent_of_the_chunk(invariant):

@@ -64,7 +64,8 @@ PAD = 5
 
 
 def _naive_hash(comp, max_ngram, pad_id, mult, primes, offs, history=()):
-    """spec §8.4 verbatim with Python ints; ``history`` = compressed ids before comp[0]."""
+    """docs/architecture.md, "N-gram hash", verbatim with Python ints; ``history`` = compressed ids
+    before comp[0]."""
     full = list(history) + list(comp)
     base = len(history)
     rows = []

@@ -24,7 +24,8 @@ def _sig(v):
 
 
 def _naive_mix(streams, fn, base, scale, rms_eps, hc_eps, iters, post_mult):
-    """Straightforward per-token implementation of spec §5.1 with Python floats."""
+    """Straightforward per-token implementation of docs/architecture.md, "mHC coefficients", in
+    Python floats."""
     fn_l, base_l, sc = fn.double().tolist(), base.double().tolist(), scale.double().tolist()
     pres, posts, combs = [], [], []
     for tok in streams.double().tolist():

@@ -1,7 +1,7 @@
 """Tests for ``deepinfer_vllm.ops.quant``.
 
 Expected bytes in the hand-worked tests were derived on paper from the format
-definitions (spec §11), not by running the code under test. The larger tests
+definitions (docs/architecture.md, "Number formats"), not by running the code under test. The larger tests
 compare against ``_Oracle``: an independent numpy model that finds the nearest
 grid point by brute force (ties to the even code) and takes ceil(log2) from
 ``frexp``, sharing no code with the implementation.

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_vllm.model_executor.layers.dequant import gemm_fp8
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.quant_gemm import activations, fp8_block_gemm, grouped_fp4_gemm
+from deepinfer_vllm.ops.weight_gemm import gemm_fp8
 
 
 def _x(m: int, k: int, seed: int) -> torch.Tensor:

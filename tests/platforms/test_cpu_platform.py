@@ -105,21 +105,6 @@ def test_parallel_rules():
     ]
 
 
-def test_expand_kernel_fix_keeps_float_values():
-    """vLLM 0.32's CPU fallback writes float temperatures through an int64 copy (never back);
-    ours repeats each request's value over its tokens in the output's dtype."""
-    import torch
-
-    from deepinfer_vllm.platforms.cpu import expand_batch_values
-
-    out = torch.full((6,), float("nan"))
-    expand_batch_values(out, torch.tensor([0.7, -1.0, 1.3]), torch.tensor([2, 5, 6]), -1.0, 1.0)
-    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
-    ints = torch.zeros(3, dtype=torch.int64)
-    expand_batch_values(ints, torch.tensor([4, 9]), torch.tensor([1, 3]), 0, 0)
-    assert ints.tolist() == [4, 9, 9]
-
-
 def _v41_config(tiny_checkpoint, monkeypatch, **settings):
     from vllm.engine.arg_utils import EngineArgs
 

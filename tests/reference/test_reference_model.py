@@ -1,7 +1,8 @@
 """Tests of the full-sequence V4.1 reference (``deepinfer_vllm.reference``) on the tiny checkpoint.
 
-Tiny layer map (spec §18.2): 0 SWA | 1 Full r2 + Engram | 2 Reuse r2 | 3 Full r1 + candidate
-source (first decoder layer) | 4 Reindex r1 | 5 Reuse r1; sliding window 8, index top-k 4.
+Tiny layer map (docs/architecture.md, "Tiny layer map"): 0 SWA | 1 Full r2 + Engram | 2 Reuse r2 |
+3 Full r1 + candidate source (first decoder layer) | 4 Reindex r1 | 5 Reuse r1; sliding window 8,
+index top-k 4.
 
 Why some checks run "structural" (KV/index quantisers replaced by the identity):
 the torch CPU operators are not batch invariant (the MoE reference groups rows per expert,
@@ -177,7 +178,7 @@ def test_window_chain_bounds_reach_without_compressed_path(model, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Prefill truncation of the decoder half (design §3)
+# Prefill truncation of the decoder half (docs/design-notes.md, "Prefill truncation")
 # ---------------------------------------------------------------------------------------------
 
 

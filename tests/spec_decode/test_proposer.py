@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from deepinfer_vllm.spec_decode.config import ADDITIONAL_CONFIG_KEY
+from deepinfer_vllm.configs.dspark import ADDITIONAL_CONFIG_KEY
 from deepinfer_vllm.spec_decode.proposer import DSparkProposer, draft_generator
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer_vllm.configs import ConfigError, V41Arch
-from deepinfer_vllm.model_executor import checkpoint as ckpt
+from deepinfer_vllm.configs import checkpoint as ckpt
 from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer
 from deepinfer_vllm.tools.make_checkpoint import main, make_checkpoint, random_tensors, resolve_config
 from deepinfer_vllm.tools.presets import PRESETS, WEIGHT_PRESETS, get_preset
@@ -158,7 +158,7 @@ def test_same_seed_gives_identical_bytes(tiny_dir: Path, tmp_path: Path) -> None
 
 
 def test_seed_changes_every_random_tensor() -> None:
-    arch = V41Arch.from_config(resolve_config("tiny", include_vision=False, include_mtp=False))
+    arch = V41Arch.from_config(resolve_config("tiny", include_vision=False, include_dspark=False))
     a, b = random_tensors(arch, seed=0), random_tensors(arch, seed=1)
     assert a.keys() == b.keys()
     for name in (
@@ -180,7 +180,7 @@ def test_small_preset_builds_and_validates(tmp_path: Path) -> None:
     ckpt.validate_checkpoint_index(arch, found)
     assert found == {n: (s.shape, s.dtype) for n, s in ckpt.expected_tensors(arch).items()}
     # Dimensions tiny does not exercise.
-    assert (arch.hidden_size, arch.num_heads, arch.o_groups, arch.num_mtp_layers) == (256, 8, 4, 1)
+    assert (arch.hidden_size, arch.num_heads, arch.o_groups, arch.num_dspark_layers) == (256, 8, 4, 1)
     assert found["layers.0.attn.wo_a.weight"] == ((512, 1024), "F8_E4M3")
     assert found["layers.1.engram.embed.weight"] == ((660, 64), "F8_E4M3")
     assert found["layers.1.engram.wkv.weight"] == ((1280, 384), "F8_E4M3")
@@ -229,7 +229,7 @@ def test_cli_config_file_text_only_wordlevel(tmp_path: Path) -> None:
         "--tokenizer",
         "wordlevel",
         "--no-vision",
-        "--no-mtp",
+        "--no-dspark",
     ]
     assert main(argv) == 0
     written = json.loads((out / "config.json").read_text())

@@ -17,7 +17,8 @@ def _fp8(rows: int, cols: int) -> int:
 
 def _arithmetic(cfg: dict) -> dict[str, int]:
     """Checkpoint bytes of the backbone by component, from config.json values and the
-    released formats (spec §12): FP8 + 32x32 UE8M0, packed E2M1 + UE8M0 per 32, bf16, fp32."""
+    released formats (docs/architecture.md, "Checkpoint tensors"): FP8 + 32x32 UE8M0, packed E2M1 +
+    UE8M0 per 32, bf16, fp32."""
     t = cfg["text_config"]
     D, H, hd = t["hidden_size"], t["num_attention_heads"], t["head_dim"]
     q, o, G = t["q_lora_rank"], t["o_lora_rank"], t["o_groups"]

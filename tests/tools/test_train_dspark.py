@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index, validate_checkpoint_index
+from deepinfer_vllm.configs.checkpoint import read_safetensors_index, validate_checkpoint_index
 from deepinfer_vllm.tools.train_dspark import Recipe, recipe_prompts, train_draft
 
 SMALL = Recipe(prompts=2, held_out=1, prompt_len=6, continuation=6, steps=12, batch=8, lr=3e-3, log_every=4)

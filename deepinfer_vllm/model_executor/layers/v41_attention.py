@@ -7,42 +7,36 @@ the compressed KV and index keys of every group the step completes, then
 reads everything back from the caches. Every key a query sees therefore went
 through its cache format exactly once, which is what the full-sequence
 reference does with quantise-dequantise at the same points.
+
+The step is one path over five operators with shared signatures (``ops.dispatch.KernelOp``),
+each built once in ``__init__`` for the device and dtype the model is built with:
+``StoreRecords`` (quantise-and-store into a paged cache), ``PoolPairs`` (the ratio-2
+compressor's gated pooling), ``IndexerTopK`` (indexer scores and top-k over the paged index
+keys), ``PagedSparseAttention`` (attention read from the paged records) and ``RopeTail``.
+Their PyTorch references run everywhere and give the reference's bits; their Triton
+implementations (CUDA) take sizes from host values only, so a decode step never waits for the
+host and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear
 
 from deepinfer_vllm.attention_backends.cache_layout import layer_caches
-from deepinfer_vllm.attention_backends.kernel_select import choose_attention_kernels
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
+from deepinfer_vllm.model_executor.layers.linear import V41RowParallelLinear, linear
+from deepinfer_vllm.model_executor.layers.norm import V41Norm
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
+from deepinfer_vllm.model_executor.layers.params import built_for, held
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
-from deepinfer_vllm.model_executor.layers.weights import (
-    V41Norm,
-    V41RowParallelLinear,
-    fused_kernels,
-    held,
-    linear,
-)
 from deepinfer_vllm.ops import quant
-from deepinfer_vllm.ops.compressor import pool_ratio2
-from deepinfer_vllm.ops.indexer import candidate_block_mask, index_scores, select_topk
-from deepinfer_vllm.ops.numerics import acc_dtype
-from deepinfer_vllm.ops.rope import apply_rope_tail
+from deepinfer_vllm.ops.attention_ops import IndexerTopK, PagedSparseAttention, PoolPairs, StoreRecords
+from deepinfer_vllm.ops.rope import RopeTail
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
-
-
-def _kernel_path():
-    """The Triton path's module, imported on first use (Triton is a CUDA-only dependency)."""
-    from deepinfer_vllm.model_executor.layers import v41_kernel_path
-
-    return v41_kernel_path
 
 
 def _replicated(in_f: int, out_f: int, quant_config, prefix: str) -> ReplicatedLinear:
@@ -76,12 +70,17 @@ class Indexer(nn.Module):
 
 
 class V41Attention(nn.Module):
-    """Window + compressed sparse attention with sinks (spec §6).
+    """One V4.1 attention layer: MQA over the last ``sliding_window`` tokens' keys plus, on
+    compressed layers, the ``index_topk`` compressed entries its indexer selects; keys are
+    values, and a learned per-head sink logit joins the softmax denominator.
 
     Under tensor parallelism each rank computes ``num_heads / tp`` query heads
     and ``o_groups / tp`` output groups; the latent KV head, its caches, the
     compressor and the indexer are the same on every rank, and ``wo_b`` sums
     the ranks' partial outputs.
+
+    ``attention_backend`` is the implementation the attention operators run
+    (``"torch"``, ``"triton"``; ``DEEPINFER_ATTENTION_KERNELS``), chosen once here.
     """
 
     def __init__(
@@ -150,8 +149,15 @@ class V41Attention(nn.Module):
         # The KV source's attention (possibly this layer), bound by the model
         # after construction; kept out of the module tree (it is not a child).
         self._kv_source: list[V41Attention] = []
-        # "torch" (the reference path) or "triton"; chosen on the first forward.
-        self._kernels: str | None = None
+
+        # The operators, chosen once for the device and dtype the model is built with.
+        device, dtype = built_for()
+        self.rope_tail = RopeTail(device, dtype)
+        self.store_records = StoreRecords(device, dtype)
+        self.paged_attention = PagedSparseAttention(device, dtype)
+        self.pool_pairs = PoolPairs(device, dtype) if role.is_kv_source and role.ratio == 2 else None
+        self.indexer_topk = IndexerTopK(device, dtype) if role.is_index_source else None
+        self.attention_backend = self.paged_attention.backend
 
     def _load_sink(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded[self.head_start : self.head_start + self.num_local_heads])
@@ -165,15 +171,24 @@ class V41Attention(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        where = fused_kernels(x)
-        if where != "torch" and positions.shape == x.shape[:1] and x.dim() in (2, 3):
-            if where == "npu":
-                from deepinfer_vllm.ops.npu import rope_tail
-            else:
-                from deepinfer_vllm.ops.triton.rope import rope_tail
+        return self.rope_tail(x, positions, self.rope_cache, inverse)
 
-            return rope_tail(x, positions, self.rope_cache, inverse)
-        return apply_rope_tail(x, positions, self.rope_cache, inverse=inverse)
+    def _store(
+        self,
+        view: PagedView,
+        req: torch.Tensor,
+        entry: torch.Tensor,
+        rows: torch.Tensor,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        """Quantise ``rows`` and store them as entries ``entry`` of request rows ``req``; rows
+        where ``keep`` is False are skipped (slot -1)."""
+        if entry.numel() == 0:
+            return
+        slots = view.slots(req, entry)
+        if keep is not None:
+            slots = torch.where(keep, slots, torch.full_like(slots, -1))
+        self.store_records(view.layer.kv_cache, view.layer.record, slots, rows)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, state: StepState, write_compressed: bool = True) -> torch.Tensor:
@@ -187,14 +202,12 @@ class V41Attention(nn.Module):
         kv = self.kv_norm(self.wkv(x))
         kv = self._rope(kv, pos)
 
-        if not state.has_caches:
+        if state.has_caches:
+            o = self._attend(x, c_q, q, kv, state, write_compressed)
+        else:
             # Profiling / dummy run: each token attends to its own key only.
             ones = torch.ones(T, 1, dtype=torch.bool, device=x.device)
             o = sparse_attention(q, kv.unsqueeze(1), ones, self.attn_sink, a.head_dim**-0.5)
-        elif self._use_kernels(x):
-            o = self._attend_with_kernels(x, c_q, q, kv, state, write_compressed)
-        else:
-            o = self._attend_reference(x, c_q, q, kv, state, write_compressed)
         o = self._rope(o, pos, inverse=True)
         return self.wo_b(self._grouped_wo_a(o.reshape(T, self.num_local_groups, -1)))
 
@@ -204,50 +217,44 @@ class V41Attention(nn.Module):
         T = group_in.shape[0]
         return self.wo_a.quant_method.apply_grouped(self.wo_a, group_in).reshape(T, -1)
 
-    def _attend_reference(self, x, c_q, q, kv, state: StepState, write_compressed: bool) -> torch.Tensor:
-        """Cache writes, selection and attention with the PyTorch reference operators."""
+    def _attend(self, x, c_q, q, kv, state: StepState, write_compressed: bool) -> torch.Tensor:
+        """Cache writes, selection and attention over the paged records."""
         a = self.arch
-        dtype = x.dtype
         pos = state.positions
         req = state.token_req
         window = PagedView(self.window_cache, state)
         window_lo = self._window_lower_bound(state)
-        write_mask = pos >= window_lo
-        window.write(req[write_mask], pos[write_mask], kv[write_mask])
-
+        self._store(window, req, pos, kv, keep=pos >= window_lo)
         if self.role.is_kv_source and write_compressed:
             self.write_compressed(x, state)
-        topk = None
+        comp = {}
         if self.role.ratio > 0:
             if self.role.is_index_source:
                 topk = self._select(x, c_q, state)
                 state.topk[self.role.layer_id] = topk
             else:
                 topk = state.topk[self.role.index_source]
-
-        keys, valid = self._gather_keys(state, window, window_lo, topk, dtype)
-        return sparse_attention(q, keys, valid, self.attn_sink, a.head_dim**-0.5)
-
-    def _attend_with_kernels(self, x, c_q, q, kv, state: StepState, write_compressed: bool) -> torch.Tensor:
-        """The same step on the Triton kernels (CUDA path): quantise-and-store,
-        indexer scores + top-k over the paged index keys, sparse attention
-        straight from the paged records."""
-        fast = _kernel_path()
-        pos = state.positions
-        req = state.token_req
-        window = PagedView(self.window_cache, state)
-        window_lo = self._window_lower_bound(state)
-        fast.store(window, req, pos, kv, keep=pos >= window_lo)
-        if self.role.is_kv_source and write_compressed:
-            self.write_compressed(x, state)
-        topk = None
-        if self.role.ratio > 0:
-            if self.role.is_index_source:
-                topk = fast.select(self, x, c_q, state)
-                state.topk[self.role.layer_id] = topk
-            else:
-                topk = state.topk[self.role.index_source]
-        return fast.attend(self, q, state, window, window_lo, topk)
+            compressed = PagedView(self.kv_source.compressed_cache, state)
+            comp = {
+                "comp_cache": compressed.layer.kv_cache,
+                "comp_block_table": compressed.meta.block_table,
+                "comp_block_size": compressed.meta.block_size,
+                "comp_ratio": compressed.layer.ratio,
+                "topk": topk,
+            }
+        return self.paged_attention(
+            q,
+            window.layer.kv_cache,
+            window.meta.block_table,
+            window.meta.block_size,
+            pos,
+            window_lo,
+            req,
+            a.sliding_window,
+            self.attn_sink,
+            a.head_dim**-0.5,
+            **comp,
+        )
 
     def _window_lower_bound(self, state: StepState) -> torch.Tensor:
         """Lowest position whose window KV this layer keeps, per token."""
@@ -256,23 +263,16 @@ class V41Attention(nn.Module):
         return torch.zeros_like(state.positions)
 
     # ------------------------------------------------------------- compressor
-    def _use_kernels(self, x: torch.Tensor) -> bool:
-        if self._kernels is None:
-            self._kernels = choose_attention_kernels(x.device)
-        return self._kernels == "triton"
-
     def write_compressed(self, x: torch.Tensor, state: StepState) -> None:
         """Compressed KV + index key of every group completed in this step.
 
-        The reference path computes the groups the step closes; the kernel path
-        computes a candidate group for every token and stores only the closed
-        ones (slot -1 for the others), so its sizes never depend on device
-        values (no host synchronisation, capturable in a CUDA graph).
+        Ratio 2 pools the two rows of each pair a token closes (``PoolPairs``): the reference
+        pools the closed pairs only, the Triton kernel pools a candidate for every token and
+        stores only the closed ones (slot -1 for the others), so its sizes never depend on
+        device values (no host synchronisation, capturable in a CUDA graph).
         """
-        a = self.arch
         r = self.role.ratio
         comp = self.compressor
-        kernels = self._use_kernels(x)
         dev = x.device
         pos = state.positions
         req = state.token_req
@@ -300,94 +300,51 @@ class V41Attention(nn.Module):
                 recent = pos >= state.seq_lens[req] - ring.capacity
                 ring.write(req[recent], pos[recent], rows[recent])
             closes = (pos % 2) == 1
-            if kernels:
-                lat = _kernel_path().pool_pairs(first_rows.contiguous(), rows.contiguous(), x.dtype)
-                entry_req, entry, keep = req, pos // 2, closes
-            else:
-                entry_req = req[closes]
-                if entry_req.numel() == 0:
-                    return
-                pair_u = torch.stack([first_rows[closes, : a.head_dim], u[closes]], dim=1)
-                pair_g = torch.stack([first_rows[closes, a.head_dim :], g[closes]], dim=1)
-                lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1), acc_dtype(x.dtype)).to(x.dtype)
-                entry = pos[closes] // 2
+            lat, entry_req, entry, keep = self.pool_pairs(first_rows, rows, closes, req, pos // 2, x.dtype)
+            if lat.shape[0] == 0:
+                return
         lat = comp.norm(lat)
         first_pos = entry * r
         idx = self.indexer
         k = idx.k_norm(linear(idx.wk, lat))
         for cache, rows_out in ((self.compressed_cache, lat), (self.index_cache, k)):
-            view = PagedView(cache, state)
-            rotated = self._rope(rows_out, first_pos)
-            if kernels:
-                _kernel_path().store(view, entry_req, entry, rotated, keep=keep)
-            else:
-                view.write(entry_req, entry, rotated)
+            self._store(PagedView(cache, state), entry_req, entry, self._rope(rows_out, first_pos), keep)
 
     # ---------------------------------------------------------------- indexer
     def _select(self, x: torch.Tensor, c_q: torch.Tensor, state: StepState) -> torch.Tensor:
-        """Top-k compressed entries of every token (-1 = none), spec §6.6."""
+        """Top-k compressed entries of every token (-1 = none): the lightning indexer's
+        ``sum_h w_h relu(q_h . k_j)`` over the KV source's cached index keys ``k_j`` that the
+        token sees; the candidate source also publishes its kept candidate blocks, to which
+        the reindex layers of its KV segment restrict their selection."""
         a = self.arch
         r = self.role.ratio
         T = x.shape[0]
         idx = self.indexer
+        pos = state.positions
         qi = linear(idx.wq_b, c_q).view(T, a.index_n_heads, a.index_head_dim)
-        qi = quant.mxfp4_qdq(self._rope(qi, state.positions))
+        qi = quant.mxfp4_qdq(self._rope(qi, pos))
         # DeepInfer drops the 1/sqrt(dk * heads) weight scale: it is 2^-6 for
         # Flash's shapes, so dropping it cannot change any comparison.
         w = linear(idx.weights_proj, x)
-        visible = (state.positions + 1) // r
-        source = self.kv_source
-        keys_view = PagedView(source.index_cache, state)
-        topk = torch.full((T, a.index_topk), -1, dtype=torch.int64, device=x.device)
-        is_candidate_source = self.role.is_candidate_source
-        use_candidates = self.role.uses_candidates
-        for row in range(state.num_reqs):
-            tok = (state.token_req == row).nonzero(as_tuple=True)[0]
-            if tok.numel() == 0:
-                continue
-            n = int(visible[tok].max())
-            if n == 0:
-                continue
-            entries = torch.arange(n, device=x.device)
-            keys = keys_view.read(torch.full_like(entries, row), entries, x.dtype)
-            scores = index_scores(qi[tok], w[tok], keys, visible[tok])
-            if is_candidate_source:
-                state.candidates[row] = candidate_block_mask(
-                    scores, visible[tok], a.candidate_block_size, a.candidate_topk_blocks
-                )
-            elif use_candidates:
-                scores = scores.masked_fill(~state.candidates[row], float("-inf"))
-            topk[tok] = select_topk(scores, a.index_topk)
-        return topk
-
-    # -------------------------------------------------------------- attention
-    def _gather_keys(
-        self,
-        state: StepState,
-        window: PagedView,
-        window_lo: torch.Tensor,
-        topk: torch.Tensor | None,
-        dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (= values) each token attends to and their validity mask."""
-        W = self.arch.sliding_window
-        pos = state.positions
-        req = state.token_req
-        offs = torch.arange(W, dtype=torch.int64, device=pos.device)
-        key_pos = pos.unsqueeze(1) - (W - 1) + offs
-        valid = key_pos >= window_lo.unsqueeze(1)
-        safe_pos = torch.where(valid, key_pos, pos.unsqueeze(1))
-        keys = window.read(req.unsqueeze(1).expand_as(safe_pos), safe_pos, dtype)
-        # Slots that were never written may hold any bytes (even NaN codes);
-        # a masked key must contribute exactly nothing.
-        keys = keys.masked_fill(~valid.unsqueeze(-1), 0.0)
-        if topk is None:
-            return keys, valid
-        source = self.kv_source
-        comp_valid = topk >= 0
-        safe_entry = torch.where(comp_valid, topk, torch.zeros_like(topk))
-        comp = PagedView(source.compressed_cache, state).read(
-            req.unsqueeze(1).expand_as(safe_entry), safe_entry, dtype
+        keys = PagedView(self.kv_source.index_cache, state)
+        topk, kept = self.indexer_topk(
+            qi,
+            w,
+            keys.layer.kv_cache,
+            keys.meta.block_table,
+            state.token_req,
+            (pos + 1) // r,
+            ratio=keys.layer.ratio,
+            block_size=keys.meta.block_size,
+            topk=a.index_topk,
+            candidates=state.kept_blocks if self.role.uses_candidates else None,
+            candidate_source=self.role.is_candidate_source,
+            candidate_block_size=a.candidate_block_size,
+            candidate_topk_blocks=a.candidate_topk_blocks,
+            out_dtype=x.dtype,
+            # A host bound on every token's visible entries: sizes without a sync.
+            max_visible=state.max_seq_len // r if state.max_seq_len else None,
         )
-        comp = comp.masked_fill(~comp_valid.unsqueeze(-1), 0.0)
-        return torch.cat([keys, comp], dim=1), torch.cat([valid, comp_valid], dim=1)
+        if kept is not None:
+            state.kept_blocks = kept
+        return topk

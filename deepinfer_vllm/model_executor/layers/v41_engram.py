@@ -1,4 +1,4 @@
-"""Engram conditional memory (spec §8): FP8 row tables split over the expert group."""
+"""Engram conditional memory (docs/architecture.md, "Engram"): FP8 row tables split over the expert group."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import V41Arch
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenExchange
 from deepinfer_vllm.model_executor.layers.step_state import StepState
-from deepinfer_vllm.model_executor.layers.weights import held, ue8m0_dtype
+from deepinfer_vllm.model_executor.layers.params import held, ue8m0_dtype
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.engram import (
     ENGRAM_BEFORE_START,

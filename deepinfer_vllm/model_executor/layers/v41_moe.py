@@ -1,4 +1,5 @@
-"""V4.1 mixture of experts (spec §7) with routed experts held as released (packed E2M1).
+"""V4.1 mixture of experts (sqrt-softplus routing, clamped SwiGLU routed experts plus a shared
+expert) with routed experts held as released (packed E2M1).
 
 Routing is ``ops.moe.route_sqrtsoftplus`` on this rank's tokens. The routed
 experts are split over vLLM's expert group (``layers.parallel``): whole
@@ -14,9 +15,10 @@ Two ways to run the routed experts, with the same rounding points: expert
 by expert (the reference: each expert's rows found on the host), and grouped
 (``ops.moe.expert_groups`` sorts the (token, choice) pairs by expert on the
 device and one grouped GEMM per projection runs every local expert, with no
-host synchronisation; the Triton kernel on CUDA for bf16 models, see
-``dequant.use_gemm_kernels``). Sums over a token's experts run in ascending
-expert order in both (``ops.moe.sum_in_expert_order``).
+host synchronisation; the Triton kernel on CUDA for bf16 models). The grouped way
+runs where the grouped GEMM operator, built with the layer, got the Triton kernel
+(``ops.dispatch``). Sums over a token's experts run in ascending expert order in
+both (``ops.moe.sum_in_expert_order``).
 
 vLLM's FusedMoE has no CPU method for these formats, and its all-to-all
 needs collectives vLLM's CPU communicator lacks, so the MoE is ours; its
@@ -30,11 +32,11 @@ from torch import nn
 
 from vllm.model_executor.layers.linear import ColumnParallelLinear
 
-from deepinfer_vllm import envs
-from deepinfer_vllm.model_executor.layers.dequant import gemm_fp4, use_gemm_kernels
+from deepinfer_vllm.model_executor.layers.linear import V41RowParallelLinear
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenExchange
-from deepinfer_vllm.model_executor.layers.weights import V41RowParallelLinear, held, ue8m0_dtype
+from deepinfer_vllm.model_executor.layers.params import built_for, held, ue8m0_dtype
 from deepinfer_vllm.ops.moe import (
+    GroupedExpertGemm,
     expert_choices,
     expert_groups,
     route_sqrtsoftplus,
@@ -42,6 +44,7 @@ from deepinfer_vllm.ops.moe import (
     swiglu_clamped,
 )
 from deepinfer_vllm.ops.numerics import acc_dtype
+from deepinfer_vllm.ops.weight_gemm import Fp4RowsGemm
 
 _PROJECTIONS = ("w1", "w2", "w3")
 
@@ -100,6 +103,11 @@ class RoutedExperts(nn.Module):
         for name, (rows, cols) in {"w13": (2 * width, hidden), "w2": (hidden, width)}.items():
             setattr(self, name, held(n, rows, cols // 2, dtype=torch.int8))
             setattr(self, f"{name}_scale", held(n, rows, cols // 32, dtype=scale_dtype))
+        device, dtype = built_for()
+        self.expert_gemm = Fp4RowsGemm(device, dtype)
+        self.grouped_gemm = GroupedExpertGemm(device, dtype)
+        # The grouped path where its GEMM runs the kernel; expert by expert on the reference.
+        self.grouped = self.grouped_gemm.backend == "triton"
 
     def param_name(self, proj: str, kind: str) -> str:
         """The parameter holding checkpoint tensor ``experts.E.{proj}.{kind}``."""
@@ -122,10 +130,10 @@ class RoutedExperts(nn.Module):
         return True
 
     def _expert(self, i: int, x: torch.Tensor, row_w: torch.Tensor, limit: float, out_dtype) -> torch.Tensor:
-        gate, up = gemm_fp4(x, self.w13[i], self.w13_scale[i]).split(self.width, dim=-1)
+        gate, up = self.expert_gemm(x, self.w13[i], self.w13_scale[i]).split(self.width, dim=-1)
         act = swiglu_clamped(gate, up, limit)
         act = act * row_w.to(act.dtype).unsqueeze(-1)
-        return gemm_fp4(act.to(x.dtype), self.w2[i], self.w2_scale[i], out_dtype)
+        return self.expert_gemm(act.to(x.dtype), self.w2[i], self.w2_scale[i], out_dtype)
 
     def partial(
         self,
@@ -141,10 +149,10 @@ class RoutedExperts(nn.Module):
         over the token's experts (ascending ids). Split experts: the unrounded
         partial down projection of every (token, choice) ``[N * k, hidden]``,
         to be summed over the ranks and then ``combine``d. ``grouped`` picks the
-        grouped path (default: where the GEMM kernels run).
+        grouped path (default: ``self.grouped``, chosen when the layer was built).
         """
         if grouped is None:
-            grouped = use_gemm_kernels(x)
+            grouped = self.grouped
         if grouped:
             return self._partial_grouped(x, weights, ids, limit)
         acc = acc_dtype(x.dtype)
@@ -164,15 +172,12 @@ class RoutedExperts(nn.Module):
         acc = acc_dtype(x.dtype)
         n, k = ids.shape
         order, offsets = expert_groups(ids, self.local)
-        gemm = _grouped_gemm(x)
-        act_mode = envs.gemm_activations()
-        gate_up = gemm(x[order // k], offsets, self.w13, self.w13_scale, act_mode, x.dtype)
+        gemm = self.grouped_gemm
+        gate_up = gemm(x[order // k], offsets, self.w13, self.w13_scale, x.dtype)
         gate, up = gate_up.split(self.width, dim=-1)
         act = swiglu_clamped(gate, up, limit) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
         # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero.
-        down = gemm(
-            act.to(x.dtype), offsets, self.w2, self.w2_scale, act_mode, acc if self.split else x.dtype
-        )
+        down = gemm(act.to(x.dtype), offsets, self.w2, self.w2_scale, acc if self.split else x.dtype)
         per_pair = torch.empty_like(down).index_copy_(0, order, down)
         if self.split:
             return per_pair
@@ -184,17 +189,8 @@ class RoutedExperts(nn.Module):
         return sum_in_expert_order(summed.view(*ids.shape, -1), ids, dtype)
 
 
-def _grouped_gemm(x: torch.Tensor):
-    """The grouped packed-E2M1 GEMM for activations ``x``: the Triton kernel or its reference."""
-    if use_gemm_kernels(x):
-        from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm
-    else:
-        from deepinfer_vllm.ops.quant_gemm import grouped_fp4_gemm
-    return grouped_fp4_gemm
-
-
 class V41MoE(nn.Module):
-    """Sqrt-softplus routing with bias-steered top-k, clamped SwiGLU experts (spec §7)."""
+    """Sqrt-softplus routing with bias-steered top-k, clamped SwiGLU experts, a shared expert."""
 
     def __init__(
         self,

@@ -1,20 +1,20 @@
 """DeepSeek-V4.1-Flash for vLLM, DeepInfer's implementation.
 
-Structure follows spec §4: embedding broadcast to ``hc_mult`` residual streams,
+Structure follows docs/architecture.md, "Forward pass": embedding broadcast to ``hc_mult`` residual streams,
 blocks with single-pass mHC (the input of a sublayer is collapsed with the
 pre-mix of the previous site), CSA2 attention, MoE, Engram at its layers, and a
 final collapse with the last FFN site's pre-mix. The causal encoder/decoder
-split matters only to prefill truncation (``DEEPINFER_YOCO_PREFILL_TRUNCATION_*``).
+split matters only to prefill truncation (``DEEPINFER_PREFILL_TRUNCATION_*``).
 
-Weights stay in the released formats (``layers.dequant``): vLLM's parallel
+Weights stay in the released formats (``ops.weight_gemm``): vLLM's parallel
 linear, embedding and head layers with ``DeepInferV41QuantConfig``, routed
 experts as packed E2M1, Engram rows as E4M3. Tensor, data and expert
 parallelism come from vLLM's flags and groups (``layers.parallel``). The
 checkpoint stream vLLM hands over is validated tensor by tensor against the
-format (``checkpoint``), and every problem is reported at once.
+format (``configs.checkpoint``), and every problem is reported at once.
 
 With DSpark speculative decoding on, the draft stages ``mtp.*`` are built and
-held too (``spec_decode.draft_model``): every forward writes their context keys
+held too (``models.dspark_draft``): every forward writes their context keys
 from the target layers' entry streams, and ``draft_block`` runs the parallel
 draft forward for DeepInfer's proposer.
 """
@@ -39,20 +39,21 @@ from deepinfer_vllm import envs
 from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
-from deepinfer_vllm.model_executor import checkpoint
+from deepinfer_vllm.configs import checkpoint
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_vllm_parallel
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 from deepinfer_vllm.model_executor.layers.v41_engram import EngramTables, TokenHistory, V41Engram
-from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collapse_norm, expand
+from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collapse_norm
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
-from deepinfer_vllm.model_executor.layers.weights import V41Norm, linear
+from deepinfer_vllm.model_executor.layers.linear import linear
+from deepinfer_vllm.model_executor.layers.norm import V41Norm
 from deepinfer_vllm.model_executor.quantization import DeepInferV41QuantConfig
 from deepinfer_vllm.ops.dspark import draft_inputs, target_features
 from deepinfer_vllm.ops.mhc import hc_collapse, identity_pre
 from deepinfer_vllm.ops.rope import build_rope_cache
-from deepinfer_vllm.spec_decode.config import dspark_settings
-from deepinfer_vllm.spec_decode.draft_model import build_stages
+from deepinfer_vllm.configs.dspark import dspark_settings
+from deepinfer_vllm.model_executor.models.dspark_draft import build_stages
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ NOT_HELD = (checkpoint.DSPARK_PREFIX, *checkpoint.VISION_PREFIXES)
 
 
 class DeepseekV41Block(nn.Module):
-    """One backbone layer: [Engram] -> attention site -> FFN site (spec §4)."""
+    """One backbone layer: [Engram] -> attention site -> FFN site."""
 
     def __init__(
         self,
@@ -109,10 +110,10 @@ class DeepseekV41Block(nn.Module):
             write_compressed = False
             streams, pre_a, post_a, comb_a = (t[keep_rows] for t in (streams, pre_a, post_a, comb_a))
             x, input_ids, state = x[keep_rows], input_ids[keep_rows], state.subset(keep_rows)
-        streams = expand(self.attn(x, state, write_compressed), streams, post_a, comb_a)
+        streams = self.hc_attn.expand(self.attn(x, state, write_compressed), streams, post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn.mix(streams)
         x = collapse_norm(streams, pre_a, self.ffn_norm)
-        streams = expand(self.ffn(x, input_ids), streams, post_f, comb_f)
+        streams = self.hc_ffn.expand(self.ffn(x, input_ids), streams, post_f, comb_f)
         return streams, pre_f, input_ids, state
 
 
@@ -251,7 +252,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return out
 
     def write_dspark_context(self, features: torch.Tensor, state: StepState) -> None:
-        """Every DSpark stage's context keys for the rows of this step (spec §13.2)."""
+        """Every DSpark stage's context keys for the rows of this step ("Context keys")."""
         first = self.mtp[0]
         main = first.main_norm(linear(first.main_proj, features))
         for stage in self.mtp:
@@ -274,7 +275,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return hh, base
 
     def _apply_prefill_truncation(self, state: StepState) -> torch.Tensor | None:
-        """DeepInfer's prefill truncation of the decoder half (design §3).
+        """DeepInfer's prefill truncation of the decoder half (docs/design-notes.md, "Prefill truncation").
 
         Decoder layers keep window KV only for the last ``keep`` prompt
         positions and clip every window there; ``compact`` additionally
@@ -355,7 +356,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return loaded
 
     def _log_resident_bytes(self) -> None:
-        from deepinfer_vllm.model_executor.weight_bytes import weight_bytes
+        from deepinfer_vllm.model_executor.resident_bytes import weight_bytes
 
         rows = weight_bytes(self)
         lay = self.layout
@@ -388,7 +389,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
 
 def _engram_vocab_map(model_config, arch: V41Arch) -> torch.Tensor:
-    """Raw id -> compressed id from the checkpoint's tokenizer (spec §8.1)."""
+    """Raw id -> compressed id from the checkpoint's tokenizer ("Token-id compression")."""
     from transformers import AutoTokenizer
 
     from deepinfer_vllm.ops.engram import compressed_vocab_from_tokenizer

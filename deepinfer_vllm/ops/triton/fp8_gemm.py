@@ -5,15 +5,9 @@ rounding; the summation order differs). The tile is computed transposed ("swap A
 ``acc[BN, BM] = W_tile @ x_tile.T``, so the weight, decoded in registers, is the MMA's A
 operand and a small batch (``BM`` 16-64) is the narrow N side of the MMA.
 
-Two designs (``design=``), measured in benchmarks/README.md ("FP8 / FP4 weight GEMMs"):
-  * ``"bf16"`` (the default for both act modes: fastest at every shape measured): the weight
-    tile decoded to bf16 in registers (``e4m3 * 2^s`` is exactly a bf16 number); x as given
-    (bf16) or, for act="mxfp8", its MXFP8 round trip written as bf16 by ``mxfp8_qdq`` (exact)
-    before the GEMM; one bf16 ``tl.dot`` per K tile.
-  * ``"fp8"`` (``act="mxfp8"`` only): per 32-wide K chunk an fp8 ``tl.dot`` of the raw
-    e4m3 bytes, the chunk's partial product times ``2^sw[n] * 2^sx[m]`` (exact) added to
-    the fp32 accumulator. 1.1-10x slower than "bf16" on the H200 (likely a wgmma wait before
-    every K=32 chunk's rescale; not profiled); kept selectable and tested.
+The weight tile is decoded to bf16 in registers (``e4m3 * 2^s`` is exactly a bf16 number);
+x is taken as given (bf16) or, for act="mxfp8", as its MXFP8 round trip written as bf16 by
+``mxfp8_qdq`` (exact) before the GEMM; one bf16 ``tl.dot`` per K tile.
 Small M splits K over programs (``SPLIT``); the partial sums go to an fp32 workspace and a
 second kernel adds them in a fixed order: deterministic, no atomics. Output rounding to
 bf16 is done on the bits (round to nearest even), identical on GPU and interpreter.
@@ -29,14 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq, mxfp8_quantize
+from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq
 
-__all__ = ["fp8_block_gemm", "pick_config", "DESIGNS"]
+__all__ = ["ACT_MODES", "fp8_block_gemm", "pick_config"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DESIGNS = ("bf16", "fp8")
-# Default design per act mode (benchmarks/README.md: measured on the H200).
-DEFAULT_DESIGN = {"bf16": "bf16", "mxfp8": "bf16"}  # measured: fp8 lost everywhere (benchmarks/README.md)
+ACT_MODES = ("bf16", "mxfp8")
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -183,7 +175,6 @@ def pick_config(m_rows: int, n: int, k: int, active_tiles: int | None = None, sm
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr,
-    xs_ptr,
     w_ptr,
     ws_ptr,
     out_ptr,
@@ -191,13 +182,11 @@ def _fp8_gemm_kernel(
     N,
     K,
     stride_xm,
-    stride_xsm,
     stride_wn,
     stride_wsn,
     stride_om,
     k_per_split,
     group_n,  # output columns per group (N when not grouped)
-    DOT_FP8: tl.constexpr,  # design "fp8": x is MXFP8 bytes + scales; else x is bf16
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -216,34 +205,19 @@ def _fp8_gemm_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + group * K
     ws_rows = ws_ptr + (offs_n // 32).to(tl.int64) * stride_wsn
-    xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm + group * (K // 32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
-        if DOT_FP8:
-            for c in tl.static_range(BK // 32):
-                kk = k0 + c * 32 + tl.arange(0, 32)
-                kmask = kk < k_hi
-                w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & kmask[None, :], other=0)
-                xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0)
-                part = tl.dot(w.to(tl.float8e4nv, bitcast=True), tl.trans(xv.to(tl.float8e4nv, bitcast=True)))
-                kc = (k0 + c * 32) // 32
-                sw = ue8m0(tl.load(ws_rows + kc, mask=n_mask & (offs_n * 0 + kc * 32 < k_hi), other=0), 0)
-                sx = ue8m0(tl.load(xs_rows + kc, mask=m_mask & (offs_m * 0 + kc * 32 < k_hi), other=0), 0)
-                acc += part * sw[:, None] * sx[None, :]
-        else:
-            kk = k0 + tl.arange(0, BK)
-            kmask = kk < k_hi
-            kc = k0 // 32 + tl.arange(0, BK // 32)
-            cmask = kc * 32 < k_hi
-            w = e4m3_f32(tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & kmask[None, :], other=0))
-            sw = ue8m0(
-                tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 0
-            )
-            w = scale_blocks(w, sw, BN, BK)
-            xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
-            acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < k_hi
+        kc = k0 // 32 + tl.arange(0, BK // 32)
+        cmask = kc * 32 < k_hi
+        w = e4m3_f32(tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & kmask[None, :], other=0))
+        sw = ue8m0(tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 0)
+        w = scale_blocks(w, sw, BN, BK)
+        xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
+        acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
     omask = n_mask[:, None] & m_mask[None, :]
     store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND)
 
@@ -267,18 +241,13 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     return w, s
 
 
-def gemm_activations(x: torch.Tensor, act: str, design: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, scales)`` of ``x`` as the kernels read them: MXFP8 bytes and UE8M0 scales
-    (fp8 design), or bf16 rows twice (bf16 design: ``x``, or its exact MXFP8 round trip)."""
-    if design == "fp8":
-        return mxfp8_quantize(x)
+def gemm_activations(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The bf16 rows of ``x`` the kernels read: ``x``, or its exact MXFP8 round trip."""
     if act == "mxfp8":
-        xq = mxfp8_qdq(x)
-        return xq, xq
+        return mxfp8_qdq(x)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"act='bf16' takes bf16 x, got {x.dtype}")
-    xv = x if x.stride(1) == 1 else x.contiguous()
-    return xv, xv
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def split_k(cfg: dict, k: int) -> tuple[dict, int, int]:
@@ -297,21 +266,17 @@ def fp8_block_gemm(
     out_dtype: torch.dtype | None = None,
     *,
     groups: int = 1,
-    design: str | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T`` for ``weight [N, K]`` e4m3 (float8_e4m3fn / uint8) and ``scale
     [N/32, K/32]`` UE8M0 (float8_e8m0fnu / uint8); ``act`` "bf16" or "mxfp8" (x quantised
-    here by the Triton quantiser). ``design`` / ``config`` override the defaults (benchmarks).
+    here by the Triton quantiser). ``config`` overrides the tile choice (tests, benchmarks).
 
     ``groups > 1``: a block-diagonal GEMM in one launch. ``x [M, groups * K]``; output
     columns ``g * N/groups ...`` are ``x[:, g*K:(g+1)*K] @ W[g*N/groups:(g+1)*N/groups].T``
     (the attention's grouped output projection)."""
-    if act not in DEFAULT_DESIGN:
+    if act not in ACT_MODES:
         raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
-    design = design or DEFAULT_DESIGN[act]
-    if design not in DESIGNS or (design == "fp8" and act != "mxfp8"):
-        raise ValueError(f"design {design!r} is not available for act={act!r}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != groups * weight.shape[1]:
         raise ValueError(
             f"x [M, {groups} * K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}"
@@ -329,7 +294,7 @@ def fp8_block_gemm(
     if m == 0:
         return out
     w, s = weight_bytes(weight, scale)
-    xv, xs = gemm_activations(x, act, design)
+    xv = gemm_activations(x, act)
     cfg, split, k_per_split = split_k(
         dict(config) if config else pick_config(m, n, k, sms=sm_count(x.device)), k
     )
@@ -343,7 +308,6 @@ def fp8_block_gemm(
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
     _fp8_gemm_kernel[grid](
         xv,
-        xs,
         w,
         s,
         target.view(torch.int16) if (split == 1 and kind == 1) else target,
@@ -351,13 +315,11 @@ def fp8_block_gemm(
         n,
         k,
         xv.stride(0),
-        xs.stride(0),
         w.stride(0),
         s.stride(0),
         out.stride(0),
         k_per_split,
         group_n,
-        DOT_FP8=design == "fp8",
         SPLIT=split,
         OUT_KIND=kind,
         F32_DOT=_INTERPRET,

@@ -4,23 +4,22 @@
 record (64 packed bytes + 4 UE8M0 scales) of entry ``j`` of request ``token_req[t]`` (page ``j // N``, slot
 ``j % N``, ``N = block_size // ratio``; a page holds its N records' value bytes, then their scale bytes).
 ``q`` must hold MXFP4-dequantised values (``mxfp4_qdq``); scores are fp32 sums rounded once to the model
-dtype, returned as fp32. PyTorch reference: ``ops.paged_indexer``. Why: keys are decoded in registers
-and scored as ``S^T = K Q^T`` (M = keys); the kernel is bound by instruction issue, much of it that decode,
-so the modes differ in how cheaply they decode. ``mode`` (a failed compile falls back 5/4 -> 3 -> 0 -> 1):
+dtype, returned as fp32. PyTorch reference: ``ops.paged_indexer``. Keys are decoded in registers and
+scored as ``S^T = K Q^T`` (M = keys); the kernel is bound by instruction issue, much of it that decode, so
+the decodes (``mode``) differ in how cheaply they decode:
 * 5 (default on sm90 with Gluon, for every launch: scores never depend on batching): fp8 wgmma on exact
   e4m3 operands (``indexer_gluon``; blocks over 14 binades below a key's largest round). Its sums keep ~13
-  bits: error up to ~2^-14 of ``sum_h |w_h| sum_k |q_hk k_jk|`` (1-2 % of bf16 scores one step off mode
-  4's; top-512 selections agree on >= 99.99 % of indices).
-* 4: mode 3's arithmetic as a Gluon kernel (``indexer_gluon``), fp32-exact sums.
+  bits: error up to ~2^-14 of ``sum_h |w_h| sum_k |q_hk k_jk|`` (1-2 % of bf16 scores one step off the
+  fp32-exact sums; top-512 selections agree on >= 99.99 % of indices). If the Gluon kernel fails to
+  compile, the launch falls back to mode 3 (recorded once per process).
 * 3 (default for bf16/fp16 q off sm90): fp16 wgmma on exactly converted operands (``e2m1.py``; exact down
-  to 30 binades below a key's largest block, smaller ones are below fp32 rounding); ``i16``: int16 reads.
-* 0: ``tl.dot_scaled``, bit-identical to mode 3 on the benchmark's inputs; ``perm`` reorders K (for 16-byte
-  shared-memory transposes). 1: keys decoded to fp32, cast to bf16, two K = 64 dots. 2 (default for fp32
-  q, the interpreter's path): as 1 in fp32 with IEEE dots.
+  to 30 binades below a key's largest block, smaller ones are below fp32 rounding), fp32-exact sums;
+  ``i16``: int16 reads.
+* 2 (default for fp32 q, the interpreter's path): keys decoded to fp32, two K = 64 IEEE dots.
 ``prefetch``: 1 (default) loads block ids two tiles ahead and prefetches the next tile into L2 (GPU only),
-2 carries the next tile in registers, 0 is the plain loop. A UE8M0 byte of 0 (never written by the
-encoder) decodes as 0 in mode 0, as garbage in modes 1/2, which also flush 0.5 * 2^-126 (scale byte 1):
-both far below a score's rounding. Design notes and measurements: benchmarks/README.md.
+2 carries the next tile in registers, 0 is the plain loop. Mode 2 decodes a UE8M0 byte of 0 (never written
+by the encoder) as garbage and flushes 0.5 * 2^-126 (scale byte 1): both far below a score's rounding.
+Design notes and measurements: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_vllm.ops.paged_indexer import IndexerOps, check_index_cache, run_indexer_pipeline
+from deepinfer_vllm.ops.paged_indexer import check_index_cache
 from deepinfer_vllm.ops.triton.e2m1 import e2m1_pairs_f16, e2m1_quads_f16, e2m1_scaled
 from deepinfer_vllm.ops.triton.indexer_gluon import gluon_index_scores, gluon_supported
 from deepinfer_vllm.ops.triton.topk import candidate_blocks, topk_indices
@@ -43,22 +42,22 @@ __all__ = [
 ]
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Default decode for bf16/fp16 queries and default software pipelining (see the module
-# docstring); a mode that fails to compile on this Triton is recorded here and skipped (3 -> 0 -> 1).
+# Default decode for bf16/fp16 queries off sm90 and default software pipelining (see the
+# module docstring).
 DEFAULT_MODE = 3
 DEFAULT_PREFETCH = 1
 # Ring depth of the Gluon kernel on candidate (reindex) tiles: 3 stages ran 2-4 % faster than 4
-# there on the H200 (benchmarks/README.md, run 11); dense rows keep 4.
+# there on the H200; dense rows keep 4.
 SPARSE_STAGES = 3
+# Options that failed to compile on this Triton (recorded once, then skipped): mode 5 (-> 3),
+# the register cap, the L2 prefetch PTX.
 _FAILED: dict[int | str, bool] = {}
-_FALLBACK = {5: 3, 4: 3, 3: 0, 0: 1}  # the next decode to try when one fails to compile
 
 
 def default_mode(q: torch.Tensor, index_cache: torch.Tensor, page_n: int) -> int:
     """The decode a launch gets without ``mode``: 5 wherever the Gluon kernel runs, for every
     batch size, row length and candidate list alike (so a token's scores never depend on what
-    it is batched with; it is also the fastest there, benchmarks/README.md run 8), 2 for fp32
-    queries, 3 elsewhere."""
+    it is batched with; it is also the fastest there), 2 for fp32 queries, 3 elsewhere."""
     if q.dtype == torch.float32:
         return 2
     return 5 if gluon_supported(q, index_cache, page_n) else DEFAULT_MODE
@@ -110,7 +109,7 @@ def _tile_blocks(j, valid, bt_row, PAGE_N: tl.constexpr):
 def _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N: tl.constexpr, D: tl.constexpr,
                MODE: tl.constexpr, I16: tl.constexpr):
     """Issue the loads of the records of entries ``j``: packed values ``[BLOCK_N, D / 2]`` and
-    scale bytes (``[BLOCK_N, D / 32]`` for mode 0, one per value byte for modes 1/2)."""
+    scale bytes (``[BLOCK_N, D / 32]`` for mode 3, one per value byte for mode 2)."""
     VB: tl.constexpr = D // 2
     SB: tl.constexpr = D // 32
     vv = tl.arange(0, VB)
@@ -123,7 +122,7 @@ def _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N: tl.constexpr, D: tl
         vals = tl.load(vptr.to(tl.pointer_type(tl.int16))[:, None] + ww[None, :], mask=valid[:, None], other=0)
     else:
         vals = tl.load(vptr[:, None] + vv[None, :], mask=valid[:, None], other=0)
-    if MODE == 0 or MODE == 3:
+    if MODE == 3:
         scl = tl.load(sptr[:, None] + tl.arange(0, SB)[None, :], mask=valid[:, None], other=127)
     else:
         scl = tl.load(sptr[:, None] + (vv // 16)[None, :], mask=valid[:, None], other=127)
@@ -144,22 +143,10 @@ def _l2_prefetch(cache_ptr, stride_blk, blk, j, valid, PAGE_N: tl.constexpr, D: 
 
 
 @triton.jit
-def _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 MODE: tl.constexpr, PERM: tl.constexpr, ASM: tl.constexpr, I16: tl.constexpr):
+def _tile_scores(vals, scl, qe, qo, w, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 MODE: tl.constexpr, ASM: tl.constexpr, I16: tl.constexpr):
     """``sum_h w_h relu(q_h . k)`` of one tile of keys, fp32 ``[BLOCK_N]``."""
-    if MODE == 0:
-        if PERM:
-            v5 = tl.reshape(vals, (BLOCK_N, D // 32, 4, 2, 2))
-            vals = tl.reshape(tl.permute(v5, (0, 1, 3, 4, 2)), (BLOCK_N, D // 2))
-        # Q^T is re-read per tile (L1/L2 hits): as a dot operand it then goes straight
-        # to shared memory with async copies instead of a register round trip per tile.
-        qT = tl.trans(tl.load(q_ptrs, mask=hmask[:, None], other=0.0).to(tl.bfloat16))
-        acc = tl.dot_scaled(vals, scl, "e2m1", qT, None, "bf16")
-    elif MODE == 1:
-        lo = e2m1_scaled(vals & 15, scl, tl.bfloat16)
-        hi = e2m1_scaled(vals >> 4, scl, tl.bfloat16)
-        acc = tl.dot(lo, qe) + tl.dot(hi, qo)
-    elif MODE == 2:
+    if MODE == 2:
         lo = e2m1_scaled(vals & 15, scl, tl.float32)
         hi = e2m1_scaled(vals >> 4, scl, tl.float32)
         acc = tl.dot(lo, qe, input_precision="ieee") + tl.dot(hi, qo, input_precision="ieee")
@@ -207,7 +194,7 @@ def _index_scores_kernel(
     out_ptr, stride_out, n_cols,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE_N: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, CB: tl.constexpr,
-    SPARSE: tl.constexpr, ROUND: tl.constexpr, MODE: tl.constexpr, PERM: tl.constexpr,
+    SPARSE: tl.constexpr, ROUND: tl.constexpr, MODE: tl.constexpr,
     PREFETCH: tl.constexpr, L2PF: tl.constexpr, ASM: tl.constexpr, I16: tl.constexpr,
 ):
     VB: tl.constexpr = D // 2  # packed value bytes per record
@@ -232,20 +219,7 @@ def _index_scores_kernel(
         hmask = hh < H
         w = tl.load(w_ptr + t * stride_wt + hh, mask=hmask, other=0.0).to(tl.float32)
         q_row = q_ptr + t * stride_qt
-        kk = tl.arange(0, D)
-        if MODE == 0 and PERM:
-            # logical pair L = 16 g + 8 c + 4 h + u  <->  record byte 16 g + 4 u + 2 c + h, so
-            # that a thread's wgmma A-operand bytes are 4 contiguous record bytes per group
-            L = kk // 2
-            pb = (L // 16) * 16 + (L % 4) * 4 + ((L // 8) % 2) * 2 + (L // 4) % 2
-            qoff = 2 * pb + kk % 2
-        else:
-            qoff = kk
-        q_ptrs = q_row + hh[:, None] * stride_qh + qoff[None, :]  # [HP, D]: contiguous along D
-        if MODE == 0:
-            qe = w
-            qo = w
-        elif MODE == 3:
+        if MODE == 3:
             # Q^T in fp16, each head divided by the power of two p_h <= its largest |q| (exact:
             # MXFP4 values carry 2 significant bits), p_h folded into the head weight.
             if I16:
@@ -274,11 +248,10 @@ def _index_scores_kernel(
                 qo = (qo * inv[None, :]).to(tl.float16)
             w = w * pbits.to(tl.float32, bitcast=True)
         else:
-            CDT: tl.constexpr = tl.bfloat16 if MODE == 1 else tl.float32
             vv = tl.arange(0, VB)
             qe_ptrs = q_row + hh[None, :] * stride_qh + 2 * vv[:, None]  # [D / 2, HP]: even dims
-            qe = tl.load(qe_ptrs, mask=hmask[None, :], other=0.0).to(CDT)
-            qo = tl.load(qe_ptrs + 1, mask=hmask[None, :], other=0.0).to(CDT)
+            qe = tl.load(qe_ptrs, mask=hmask[None, :], other=0.0).to(tl.float32)
+            qo = tl.load(qe_ptrs + 1, mask=hmask[None, :], other=0.0).to(tl.float32)
         bt_row = bt_ptr + req * stride_bt
         if PREFETCH == 2:
             # Software pipeline in registers (loads are asynchronous until first use): while
@@ -298,7 +271,7 @@ def _index_scores_kernel(
                 b2 = _tile_blocks(j2, v2, bt_row, PAGE_N)
                 j3, v3 = _tile_entries(c + 3 * BLOCK_N, c_end, t, vis, n_cols, cand_ptr, stride_cand,
                                        CB, SPARSE, True)
-                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM, ASM, I16)
+                score = _tile_scores(vals, scl, qe, qo, w, BLOCK_N, D, MODE, ASM, I16)
                 _store_scores(out_row, c, score, v0, n_cols, ROUND)
                 vals, scl, v0 = vals_n, scl_n, v1
                 j1, v1, b1 = j2, v2, b2
@@ -322,7 +295,7 @@ def _index_scores_kernel(
                 if not SPARSE:  # in range: the same validity without the range test (fewer registers)
                     j0, v0 = _tile_entries(c, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE, False)
                 vals, scl = _tile_load(cache_ptr, stride_blk, b0, j0, v0, PAGE_N, D, MODE, I16)
-                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM, ASM, I16)
+                score = _tile_scores(vals, scl, qe, qo, w, BLOCK_N, D, MODE, ASM, I16)
                 _store_scores(out_row, c, score, v0, n_cols, ROUND)
                 j0, v0, b0 = j1, v1, b1
                 j1, v1, b1 = j2, v2, b2
@@ -332,7 +305,7 @@ def _index_scores_kernel(
                 j, valid = _tile_entries(c, c_end, t, vis, n_cols, cand_ptr, stride_cand, CB, SPARSE, False)
                 blk = _tile_blocks(j, valid, bt_row, PAGE_N)
                 vals, scl = _tile_load(cache_ptr, stride_blk, blk, j, valid, PAGE_N, D, MODE, I16)
-                score = _tile_scores(vals, scl, q_ptrs, hmask, qe, qo, w, BLOCK_N, D, MODE, PERM, ASM, I16)
+                score = _tile_scores(vals, scl, qe, qo, w, BLOCK_N, D, MODE, ASM, I16)
                 _store_scores(out_row, c, score, valid, n_cols, ROUND)
 
 
@@ -382,7 +355,7 @@ def _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, blo
 
 
 def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
-            out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16=None, stages=None):
+            out_dtype, mode, block_n, tiles, num_warps, prefetch, maxnreg, out, i16=None, stages=None):
     T, H, D = q.shape
     if out is None:
         out = torch.empty(T, n_cols, dtype=torch.float32, device=q.device)
@@ -399,23 +372,21 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
     asked = mode
     if mode is None:
         mode = default_mode(q, index_cache, page_n)
-    if mode not in (0, 1, 2, 3, 4, 5):
-        raise ValueError(f"mode must be 0 (dot_scaled), 1 (bf16), 2 (fp32), 3 (fp16), 4 (Gluon) or "
-                         f"5 (Gluon, fp8), got {mode}")
-    if mode in (4, 5) and not gluon_ok:
-        raise ValueError(f"mode {mode} (Gluon) needs an sm90 GPU, Gluon, bf16/fp16 q with D = 128 and "
+    if mode not in (2, 3, 5):
+        raise ValueError(f"mode must be 2 (fp32), 3 (fp16) or 5 (Gluon, fp8), got {mode}")
+    if mode == 5 and not gluon_ok:
+        raise ValueError("mode 5 (Gluon) needs an sm90 GPU, Gluon, bf16/fp16 q with D = 128 and "
                          "16-byte aligned pages of a power-of-two number of records")
-    while _FAILED.get(mode) and q.is_cuda and mode in _FALLBACK:
-        mode = _FALLBACK[mode]
-    if mode in (4, 5):
+    if mode == 5 and _FAILED.get(5) and q.is_cuda:
+        mode = 3
+    if mode == 5:
         try:
             return gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand,
                                       cand_block, n_cols, _ROUND[out_dtype], out, tiles=tiles,
                                       stages=stages or (SPARSE_STAGES if cand is not None else 4),
-                                      num_sms=_num_sms(q.device), maxnreg=maxnreg,
-                                      fp8=mode == 5)
+                                      num_sms=_num_sms(q.device), maxnreg=maxnreg)
         except Exception as exc:  # pragma: no cover - a Triton whose Gluon cannot lower the kernel
-            if asked in (4, 5):
+            if asked == 5:
                 raise
             _FAILED[mode] = True
             warnings.warn(f"indexer scores: the Gluon kernel failed to compile ({type(exc).__name__}: {exc}); "
@@ -429,8 +400,8 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
         n_tiles = T * triton.cdiv(n_cols, block_n)
         tiles = max(1, min(2048 // block_n, n_tiles // (4 * _num_sms(q.device))))
     num_warps = num_warps or 4
-    if maxnreg is None:  # mode 0: 3 CTAs of 4 warps per SM (205 -> 164 regs); mode 3: 4 CTAs (163 -> 128)
-        maxnreg = {0: 168, 3: 128}.get(mode, 0) if (prefetch, block_n, num_warps) == (1, 128, 4) else 0
+    if maxnreg is None:  # mode 3: 4 CTAs of 4 warps per SM (163 -> 128 registers)
+        maxnreg = 128 if mode == 3 and (prefetch, block_n, num_warps) == (1, 128, 4) else 0
     grid = (triton.cdiv(n_cols, block_n * tiles), T)
     sparse = cand is not None
     # mode 3 reads int16 words when every record starts on an even address
@@ -444,7 +415,7 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
     kwargs = dict(
         H=H, HP=max(16, triton.next_power_of_2(H)), D=D, PAGE_N=page_n,
         BLOCK_N=block_n, TILES=tiles, CB=cand_block if sparse else 1,
-        SPARSE=sparse, ROUND=_ROUND[out_dtype], PERM=perm, PREFETCH=prefetch, num_warps=num_warps,
+        SPARSE=sparse, ROUND=_ROUND[out_dtype], PREFETCH=prefetch, num_warps=num_warps,
         I16=i16,
     )
     args = (
@@ -462,14 +433,11 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
         except Exception as exc:  # pragma: no cover - a Triton that cannot lower an option
             if not q.is_cuda:
                 raise
-            # drop the optional extras first (register cap, L2 prefetch PTX), then mode 0
+            # drop the optional extras (register cap, L2 prefetch PTX)
             if maxnreg:
                 what, maxnreg = "maxnreg", 0
             elif l2pf and prefetch == 1:
                 what, l2pf = "l2pf", False
-            elif mode in _FALLBACK:
-                what, mode = mode, _FALLBACK[mode]
-                kwargs.update(I16=False)
             else:
                 raise
             _FAILED[what] = True
@@ -493,7 +461,6 @@ def index_scores_paged(
     block_n: int | None = None,
     tiles: int | None = None,
     num_warps: int | None = None,
-    perm: bool = True,
     prefetch: int | None = None,
     maxnreg: int | None = None,
     i16: bool | None = None,
@@ -505,14 +472,14 @@ def index_scores_paged(
     ``n_cols = max_visible`` (pass it to avoid a host sync; default ``visible.max()``);
     columns ``j >= visible[t]`` are ``-inf`` and their pages are never read. Scores are
     rounded once to ``out_dtype`` (default ``q.dtype``). ``mode``/``block_n``/``tiles``/
-    ``num_warps``/``perm``/``prefetch``/``maxnreg``/``i16``/``stages`` are tuning knobs (see the
-    module docstrings; ``tiles`` counts 64-key tiles in modes 4/5); ``None`` picks the measured default.
+    ``num_warps``/``prefetch``/``maxnreg``/``i16``/``stages`` are tuning knobs (see the module
+    docstrings; ``tiles`` counts 64-key tiles in mode 5); ``None`` picks the measured default.
     """
     page_n = _check_inputs(q, w, index_cache, block_table, token_req, visible, ratio, block_size)
     if max_visible is None:
         max_visible = int(visible.max()) if visible.numel() else 0
     return _launch(q, w, index_cache, block_table, token_req, visible, page_n, None, 1, int(max_visible),
-                   out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16, stages)
+                   out_dtype, mode, block_n, tiles, num_warps, prefetch, maxnreg, out, i16, stages)
 
 
 def index_scores_paged_sparse(
@@ -532,7 +499,6 @@ def index_scores_paged_sparse(
     block_n: int | None = None,
     tiles: int | None = None,
     num_warps: int | None = None,
-    perm: bool = True,
     prefetch: int | None = None,
     maxnreg: int | None = None,
     i16: bool | None = None,
@@ -555,7 +521,7 @@ def index_scores_paged_sparse(
         raise ValueError(f"cand_block_size must be a power of two, got {cand_block_size}")
     n_cols = cand_blocks.shape[1] * cand_block_size
     return _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand_blocks, cand_block_size,
-                   n_cols, out_dtype, mode, block_n, tiles, num_warps, perm, prefetch, maxnreg, out, i16, stages)
+                   n_cols, out_dtype, mode, block_n, tiles, num_warps, prefetch, maxnreg, out, i16, stages)
 
 
 def indexer_topk(
@@ -588,12 +554,24 @@ def indexer_topk(
     * else all visible entries; with ``candidate_source`` the kept block ids
       ``[T, candidate_topk_blocks]`` are returned too, for the reindex layers.
 
-    Same results as ``ops.paged_indexer.indexer_topk`` given the same scores.
+    Same selections as ``ops.paged_indexer.indexer_topk`` given the same scores (the reference
+    scores a reindex layer's every entry and masks; here only the kept blocks' entries are
+    scored, in a compact buffer, and the chosen columns mapped back). With ``max_visible``
+    given, every size is a host value (no host synchronisation: capturable in a CUDA graph).
     """
-    ops = IndexerOps(index_scores_paged, index_scores_paged_sparse, topk_indices, candidate_blocks)
-    return run_indexer_pipeline(
-        ops, q, w, index_cache, block_table, token_req, visible, ratio=ratio, block_size=block_size,
-        topk=topk, candidates=candidates, candidate_source=candidate_source,
-        candidate_block_size=candidate_block_size, candidate_topk_blocks=candidate_topk_blocks,
-        out_dtype=out_dtype, max_visible=max_visible, index_dtype=index_dtype,
+    if candidates is not None:
+        compact = index_scores_paged_sparse(
+            q, w, index_cache, block_table, token_req, visible, ratio, block_size,
+            candidates, candidate_block_size, out_dtype,
+        )
+        idx = topk_indices(compact, topk, index_map=candidates, map_block=candidate_block_size,
+                           index_dtype=index_dtype)
+        return idx, None
+    scores = index_scores_paged(
+        q, w, index_cache, block_table, token_req, visible, ratio, block_size, out_dtype, max_visible
     )
+    idx = topk_indices(scores, topk, lengths=visible, index_dtype=index_dtype)
+    kept = None
+    if candidate_source:
+        kept = candidate_blocks(scores, visible, candidate_block_size, candidate_topk_blocks, index_dtype)
+    return idx, kept

@@ -1,15 +1,13 @@
 """Lightning-indexer scores on Hopper in Gluon (Triton's explicit-layout dialect), sm90 only.
 
-Modes 4 and 5 of ``indexer.index_scores_paged`` (same contract; PyTorch reference ``ops.paged_indexer``):
-* ``FP8=False`` (mode 4): mode 3's arithmetic (fp16 wgmma on exactly converted MXFP4, the ``e2m1.py``
-  decode); scores bit-identical to mode 3 on the benchmark's inputs.
-* ``FP8=True`` (mode 5, the default): fp8 wgmma; record bytes become e4m3 by a table lookup
-  (``e2m1.E4M3_LOOKUP_PTX``), ``Q^T`` is stored as e4m3 ``[H, 128]``; numerics as in ``indexer.py``.
+Mode 5 of ``indexer.index_scores_paged`` (same contract; PyTorch reference ``ops.paged_indexer``): fp8
+wgmma; record bytes become e4m3 by a table lookup (``e2m1.E4M3_LOOKUP_PTX``), ``Q^T`` is stored as e4m3
+``[H, 128]``; numerics as in ``indexer.py``.
 Why Gluon: control over where every byte goes. The next ``STAGES - 1`` tiles of 64 keys are in flight as
 16-byte ``cp.async`` copies into a shared-memory ring while one is decoded, and each thread reads exactly
 its wgmma A fragment (16 record bytes: thread ``c = lane % 4`` of a key row gets scale block ``c``, with
-``Q^T``'s K order permuted to match, ``_q_perm_dims`` / ``_q_perm_dims_fp8``), so the decode reaches the
-tensor cores with no layout conversion (``assert_trivial``). Keys past the visible entries (pages of >= 16
+``Q^T``'s K order permuted to match, ``_q_perm_dims_fp8``), so the decode reaches the tensor cores by
+register renaming only. Keys past the visible entries (pages of >= 16
 records) and -1 or invisible candidate blocks read block 0 unmasked (masked in the epilogue); tiles past
 a token's visible entries are written -inf unread. ``TILES`` (runtime) comes from ``program_tiles``.
 Only ``D = 128``, up to 256 heads, pages of a power-of-two number (>= 4) of records, 16-byte aligned.
@@ -21,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from deepinfer_vllm.ops.triton.e2m1 import E4M3_LOOKUP_PTX, E4M3_TABLE_SHIFTS, QUADS_PTX, e4m3_lookup_tables
+from deepinfer_vllm.ops.triton.e2m1 import E4M3_LOOKUP_PTX, E4M3_TABLE_SHIFTS, e4m3_lookup_tables
 
 try:  # Gluon ships with Triton >= 3.5; its Hopper API is what this file targets (3.6)
     from triton.experimental import gluon
@@ -50,15 +48,7 @@ def gluon_supported(q: torch.Tensor, index_cache: torch.Tensor, page_n: int) -> 
 
 if GLUON_AVAILABLE:
     # Gluon kernels cannot call ``tl`` functions: the few small helpers of ``indexer.py`` that
-    # this kernel needs (fp16 power of two, bf16 rounding, entry lookup) are restated here.
-
-    @gluon.jit
-    def _decode(words, f):
-        """4 fp16 planes (code n of every int16 word) times the per-word factor ``f``."""
-        return gl.inline_asm_elementwise(
-            QUADS_PTX, "=r,=r,=r,=r,r,r", [words, f],
-            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2,
-        )
+    # this kernel needs (bf16 rounding, entry lookup) are restated here.
 
     @gluon.jit
     def _decode_e4m3(byts, tlo, thi):
@@ -67,12 +57,6 @@ if GLUON_AVAILABLE:
             E4M3_LOOKUP_PTX, "=r,=r,r,r,r,r,r,r,r,r,r", [byts, tlo, thi],
             dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4,
         )
-
-    @gluon.jit
-    def _pow2_f16_bits(r):
-        """fp16 bits of 2^(6 - r) for r >= 0 (subnormal from r = 21, 0 past r = 30)."""
-        sub = 1 << gl.minimum(gl.maximum(30 - r, 0), 30)
-        return gl.where(r <= 20, (21 - r) << 10, gl.where(r <= 30, sub, 0))
 
     @gluon.jit
     def _round_out(x, ROUND: gl.constexpr):
@@ -187,7 +171,7 @@ if GLUON_AVAILABLE:
         out_ptr, stride_out, n_cols, tab_ptr, TILES, dbg_ptr,
         H: gl.constexpr, HP: gl.constexpr, PAGE_N: gl.constexpr,
         STAGES: gl.constexpr, CB: gl.constexpr,
-        SPARSE: gl.constexpr, ROUND: gl.constexpr, SROWS: gl.constexpr, FP8: gl.constexpr,
+        SPARSE: gl.constexpr, ROUND: gl.constexpr, SROWS: gl.constexpr,
         TIMELINE: gl.constexpr = False,
     ):
         BM: gl.constexpr = 64  # keys per tile: one wgmma M block of the 4 warps
@@ -200,12 +184,10 @@ if GLUON_AVAILABLE:
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[BM, 4, 8])
         FL: gl.constexpr = gl.SliceLayout(2, WL)  # [key, block]: one factor per thread and key
         RL: gl.constexpr = gl.SliceLayout(1, FL)  # [key]: per key, replicated over the quad
-        KS: gl.constexpr = 32 if FP8 else 16  # the wgmma's K step
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, HP, KS])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+                                                      instr_shape=[16, HP, 32])  # K step 32 (fp8)
         AL8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-        # BL (fp8): the record bytes of a tile as [key, block c, byte j]; thread (warp w, lane l)
+        # BL: the record bytes of a tile as [key, block c, byte j]; thread (warp w, lane l)
         # holds keys 16 w + l // 4 (+ 8), block c = l % 4, its 16 bytes (one LDS.128)
         BL: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
@@ -232,8 +214,6 @@ if GLUON_AVAILABLE:
         else:  # value copies [key, block, word]; scale-word copies [key // SROWS, SROWS]
             CL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
             SCP: gl.constexpr = gl.BlockedLayout([1, SROWS], [32, 1], [4, 1], [1, 0])
-        QBL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])  # [D, HP] query load
-        QSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, HP], gl.float16)
         VSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         SSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
@@ -257,28 +237,18 @@ if GLUON_AVAILABLE:
             bt_row = bt_ptr + req * stride_bt
             # Q^T with its rows in the decode's K order, each head divided by the power of two
             # p_h <= max |q_h| (exact: MXFP4 values carry 2 significant bits), p_h into w.
-            if FP8:  # Q^T as e4m3 [HP, 128] (K-major, as fp8 wgmma wants), times 2^6 more
-                QBL8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-                QSL8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 128], gl.float8e4nv)
-                kap8 = gl.arange(0, 128, layout=gl.SliceLayout(0, QBL8))
-                hh8 = gl.arange(0, HP, layout=gl.SliceLayout(1, QBL8))
-                qv8 = gl.load(q_ptr + t * stride_qt + hh8[:, None] * stride_qh + _q_perm_dims_fp8(kap8)[None, :],
-                              mask=(hh8 < H)[:, None], other=0.0).to(gl.float32)
-                pbits = _pow2_floor_bits(gl.max(gl.abs(qv8), 1))
-                inv8 = ((254 << 23) - pbits).to(gl.float32, bitcast=True) * 64.0
-                q8_s = gl.allocate_shared_memory(gl.float8e4nv, [HP, 128], QSL8,
-                                                 (qv8 * inv8[:, None]).to(gl.float8e4nv))
-                w_boost = 1.0 / 4096  # the 2^6 of the keys' tables and the 2^6 of Q
-            else:
-                kap = gl.arange(0, 128, layout=gl.SliceLayout(1, QBL))
-                hh = gl.arange(0, HP, layout=gl.SliceLayout(0, QBL))
-                dims = _q_perm_dims(kap)
-                qv = gl.load(q_ptr + t * stride_qt + hh[None, :] * stride_qh + dims[:, None],
-                             mask=(hh < H)[None, :], other=0.0).to(gl.float32)
-                pbits = _pow2_floor_bits(gl.max(gl.abs(qv), 0))
-                inv = ((254 << 23) - pbits).to(gl.float32, bitcast=True)
-                q_s = gl.allocate_shared_memory(gl.float16, [128, HP], QSL, (qv * inv[None, :]).to(gl.float16))
-                w_boost = 1.0
+            # Q^T as e4m3 [HP, 128] (K-major, as fp8 wgmma wants), times 2^6 more
+            QBL8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+            QSL8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 128], gl.float8e4nv)
+            kap8 = gl.arange(0, 128, layout=gl.SliceLayout(0, QBL8))
+            hh8 = gl.arange(0, HP, layout=gl.SliceLayout(1, QBL8))
+            qv8 = gl.load(q_ptr + t * stride_qt + hh8[:, None] * stride_qh + _q_perm_dims_fp8(kap8)[None, :],
+                          mask=(hh8 < H)[:, None], other=0.0).to(gl.float32)
+            pbits = _pow2_floor_bits(gl.max(gl.abs(qv8), 1))
+            inv8 = ((254 << 23) - pbits).to(gl.float32, bitcast=True) * 64.0
+            q8_s = gl.allocate_shared_memory(gl.float8e4nv, [HP, 128], QSL8,
+                                             (qv8 * inv8[:, None]).to(gl.float8e4nv))
+            w_boost = 1.0 / 4096  # the 2^6 of the keys' tables and the 2^6 of Q
             hw = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
             w = gl.load(w_ptr + t * stride_wt + hw, mask=hw < H, other=0.0).to(gl.float32) * 0.5
             w = w * gl.convert_layout(pbits, gl.SliceLayout(0, MMA)).to(gl.float32, bitcast=True) * w_boost
@@ -332,37 +302,25 @@ if GLUON_AVAILABLE:
                 sw = scl_s.index(stage).reshape([BM]).load(RL)
                 e = (sw[:, None] >> (cidx * 8)[None, :]) & 255
                 emax = gl.max(e, 1)
-                if FP8:
-                    # the block's table: its 8 magnitudes times 2^(6 - (emax - e)), as e4m3
-                    dsh = gl.convert_layout(gl.minimum(emax[:, None] - e, E4M3_TABLE_SHIFTS - 1),
-                                            gl.SliceLayout(2, BL))
-                    tab = gl.load(tab_ptr.to(gl.pointer_type(gl.int64)) + dsh)  # both words at once
-                    tlo = gl.expand_dims(tab.to(gl.int32), 2)
-                    thi = gl.expand_dims((tab >> 32).to(gl.int32), 2)
-                    byts = vals_s.index(stage)._reinterpret(gl.uint8, [BM, 4, 16], VSL).load(BL)
-                    ea, eb = _decode_e4m3(byts, tlo, thi)
-                    # code 8 m + 4 t + b of block c (byte j = 4 m + b) is K index
-                    # 64 m1 + 32 m0 + 16 t + 4 c + b with m = 2 m1 + m0 (see _q_perm_dims_fp8)
-                    a8 = gl.join(ea, eb)  # [BM, c, j, t]
-                    a8 = gl.reshape(a8, [BM, 4, 2, 2, 4, 2])  # [BM, c, m1, m0, b, t]
-                    a8 = gl.permute(a8, [0, 2, 3, 5, 1, 4])
-                    # the same registers in the A fragment's order (a renaming, no data moves)
-                    a8 = gl.convert_layout(gl.reshape(a8, [BM, 128]), AL8)
-                    acc = warpgroup_mma(a8, q8_s.permute([1, 0]), acc0, use_acc=False)
-                else:
-                    fb = _pow2_f16_bits(emax[:, None] - e).to(gl.int16).to(gl.float16, bitcast=True)
-                    words = vals_s.index(stage).load(WL)
-                    o0, o1, o2, o3 = _decode(words, gl.expand_dims(fb, 2))
-                    # plane n of word r = 4 p1 + 2 p0 + e0 of block c is K index
-                    # 64 s + 32 i + 16 p1 + 8 p0 + 2 c + e0 with n = 2 s + i (see _q_perm_dims)
-                    a = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [BM, c, r, i, s]
-                    a = gl.reshape(a, [BM, 4, 2, 2, 2, 2, 2])  # [BM, c, p1, p0, e0, i, s]
-                    a = gl.permute(a, [0, 6, 5, 2, 3, 1, 4])
-                    a = gl.convert_layout(gl.reshape(a, [BM, 128]), AL, assert_trivial=True)
-                    acc = warpgroup_mma(a, q_s, acc0, use_acc=False)
+                # the block's table: its 8 magnitudes times 2^(6 - (emax - e)), as e4m3
+                dsh = gl.convert_layout(gl.minimum(emax[:, None] - e, E4M3_TABLE_SHIFTS - 1),
+                                        gl.SliceLayout(2, BL))
+                tab = gl.load(tab_ptr.to(gl.pointer_type(gl.int64)) + dsh)  # both words at once
+                tlo = gl.expand_dims(tab.to(gl.int32), 2)
+                thi = gl.expand_dims((tab >> 32).to(gl.int32), 2)
+                byts = vals_s.index(stage)._reinterpret(gl.uint8, [BM, 4, 16], VSL).load(BL)
+                ea, eb = _decode_e4m3(byts, tlo, thi)
+                # code 8 m + 4 t + b of block c (byte j = 4 m + b) is K index
+                # 64 m1 + 32 m0 + 16 t + 4 c + b with m = 2 m1 + m0 (see _q_perm_dims_fp8)
+                a8 = gl.join(ea, eb)  # [BM, c, j, t]
+                a8 = gl.reshape(a8, [BM, 4, 2, 2, 4, 2])  # [BM, c, m1, m0, b, t]
+                a8 = gl.permute(a8, [0, 2, 3, 5, 1, 4])
+                # the same registers in the A fragment's order (a renaming, no data moves)
+                a8 = gl.convert_layout(gl.reshape(a8, [BM, 128]), AL8)
+                acc = warpgroup_mma(a8, q8_s.permute([1, 0]), acc0, use_acc=False)
                 # relu(x) w as (x + |x|) (w / 2): x + |x| is exactly 2 relu(x) and |x| is an operand
                 # modifier of the add, so the ReLU leaves the integer ALU pipe, which the decode
-                # keeps busy (FMNMX there); bit-identical, 0-2 % faster (benchmarks/README.md run 13)
+                # keeps busy (FMNMX there); bit-identical, 0-2 % faster
                 score = gl.sum((acc + gl.abs(acc)) * w[None, :], 1)
                 em = gl.convert_layout(emax, SR)
                 score = score * gl.where(em > 0, em << 23, 1 << 22).to(gl.float32, bitcast=True)
@@ -392,24 +350,13 @@ if GLUON_AVAILABLE:
         return gl.where(amax >= 1.1754943508222875e-38,
                         gl.minimum(amax.to(gl.int32, bitcast=True) & 0x7F800000, 253 << 23), 127 << 23)
 
-    @gluon.jit
-    def _q_perm_dims(kap):
-        """Record dim behind K index ``kap`` of the decoded tile: ``kap = 64 s + 32 i + 16 p1 +
-        8 p0 + 2 c + e0`` is code ``n = 2 s + i`` of int16 word ``8 c + 4 p1 + 2 p0 + e0``."""
-        e0 = kap & 1
-        c = (kap >> 1) & 3
-        p0 = (kap >> 3) & 1
-        p1 = (kap >> 4) & 1
-        i = (kap >> 5) & 1
-        s = (kap >> 6) & 1
-        return 4 * (8 * c + 4 * p1 + 2 * p0 + e0) + 2 * s + i
 
 
 _TABLES: dict = {}
 
 
 def _e4m3_tables(device: torch.device) -> torch.Tensor:
-    """Mode 5's lookup tables, built once per device (by device ops: no host sync)."""
+    """The kernel's e4m3 lookup tables, built once per device (by device ops: no host sync)."""
     if device not in _TABLES:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # inside a capture the table would only be filled when the graph replays
@@ -439,10 +386,7 @@ def program_tiles(tokens: int, row_tiles: int, slots: int) -> int:
     (SMs x resident CTAs), so that the programs still running at the end are short, but no
     program shorter than 16 tiles (each pays for its query set-up and ring fill) unless that
     would fill less than half a wave; at most 256. Rounded so that a token's programs are
-    equally long. Measured on the H200 (benchmarks/README.md, run 9), against the
-    power-of-two rule before: B=256 x 131072 keys 842 -> 805 us, B=256 x 8192 69 -> 61,
-    B=64 x 8192 23.3 -> 20.5; between 16 and 64 tiles B=128 x 32768 and B=256 x 32768 are
-    flat (within 2 %)."""
+    equally long."""
     work = tokens * row_tiles
     tiles = max(-(-work // (5 * slots)), min(16, -(-2 * work // slots)))
     tiles = max(1, min(256, tiles, row_tiles))
@@ -451,11 +395,9 @@ def program_tiles(tokens: int, row_tiles: int, slots: int) -> int:
 
 
 def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_n, cand, cand_block, n_cols,
-                       round_code, out, tiles=None, stages=4, num_sms=132, maxnreg=None, fp8=False,
-                       timeline=None):
+                       round_code, out, tiles=None, stages=4, num_sms=132, maxnreg=None, timeline=None):
     """Launch the kernel; inputs already checked by ``indexer._check_inputs`` and
-    ``gluon_supported``. ``round_code``: 0 fp32, 1 bf16, 2 fp16 scores. ``fp8``: e4m3
-    operands and fp8 wgmma (mode 5) instead of fp16 ones (mode 4). ``timeline``: an int64
+    ``gluon_supported``. ``round_code``: 0 fp32, 1 bf16, 2 fp16 scores. ``timeline``: an int64
     ``[programs, 4]`` tensor that gets each program's start, first-tile and end times (global
     ns timer) and its SM (``benchmarks/gpu/indexer.py --timeline``); a debug build."""
     T, H, D = q.shape
@@ -464,7 +406,7 @@ def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_
     # scale words are copied 4 keys (16 bytes) at a time where 4 columns are 4 slots of one page
     srows = 4 if not sparse or (cand_block % 4 == 0 and page_n % cand_block == 0) else 1
     hp = max(16, triton.next_power_of_2(H))
-    variant = (q.device, hp, page_n, stages, sparse, round_code, srows, fp8, maxnreg)
+    variant = (q.device, hp, page_n, stages, sparse, round_code, srows, maxnreg)
     if tiles is None:
         tiles = program_tiles(T, triton.cdiv(n_cols, BM), num_sms * _CTAS_PER_SM.get(variant, 7))
     cptr = cand if sparse else block_table
@@ -473,9 +415,9 @@ def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_
         q, q.stride(0), q.stride(1), w, w.stride(0),
         index_cache, index_cache.stride(0), block_table, block_table.stride(0),
         token_req, visible, cptr, cptr.stride(0), out, out.stride(0), n_cols,
-        _e4m3_tables(q.device) if fp8 else out, tiles, out if timeline is None else timeline,
+        _e4m3_tables(q.device), tiles, out if timeline is None else timeline,
         H=H, HP=hp, PAGE_N=page_n, STAGES=stages,
-        CB=cand_block if sparse else 1, SPARSE=sparse, ROUND=round_code, SROWS=srows, FP8=fp8, num_warps=4,
+        CB=cand_block if sparse else 1, SPARSE=sparse, ROUND=round_code, SROWS=srows, num_warps=4,
         TIMELINE=timeline is not None, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if variant not in _CTAS_PER_SM:

@@ -15,10 +15,8 @@ numbers do not depend on it. Capturable in a CUDA graph.
 Weight codes are widened with integer ops only: code ``s e1 e0 m`` -> byte ``s 0 0 e1 e0 m 0 0``
 is the e4m3 pattern of the code's value times 2^-6 (the 2^6 goes into the scale). On the GPU
 one PTX block does four bytes (eight codes) in 10 instructions; the interpreter does the same
-arithmetic per element. Designs (``design=``), as in ``fp8_gemm``: ``"bf16"`` (default, the
-faster everywhere measured: weight tile decoded to bf16, x bf16 or its MXFP8 round trip from
-``mxfp8_qdq``, one dot per K tile) and ``"fp8"`` (act="mxfp8": per-32 fp8 dots of these bytes
-with the MXFP8 activations, scales applied to each chunk's partial product; 1.8-11x slower).
+arithmetic per element. As in ``fp8_gemm``, the weight tile is then decoded to bf16, x is bf16
+or its MXFP8 round trip from ``mxfp8_qdq``, and one bf16 dot runs per K tile.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import triton.language as tl
 
 from deepinfer_vllm.ops.triton.fp8_gemm import (
     _OUT_KIND,
-    DESIGNS,
+    ACT_MODES,
     gemm_activations,
     gemm_output,
     mma_bf16,
@@ -48,7 +46,6 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
 __all__ = ["grouped_fp4_gemm", "moe_config"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEFAULT_DESIGN = {"bf16": "bf16", "mxfp8": "bf16"}  # measured: fp8 lost everywhere (benchmarks/README.md)
 # Programs along the row tiles: about this many per SM over the whole grid (at least one row
 # program per (N tile, split)), each looping over row tiles. 2 per SM would leave fewer programs
 # than the ~3 per SM that fit (16-row decode tiles) at T=64-256; 16 keeps <= 2 tiles per program
@@ -89,7 +86,6 @@ def e2m1_e4m3_x64(packed, BN: tl.constexpr, BKH: tl.constexpr, ASM: tl.constexpr
 @triton.jit
 def _moe_gemm_kernel(
     x_ptr,
-    xs_ptr,
     w_ptr,
     ws_ptr,
     off_ptr,
@@ -99,7 +95,6 @@ def _moe_gemm_kernel(
     K,
     E,
     stride_xm,
-    stride_xsm,
     stride_we,
     stride_wn,
     stride_wse,
@@ -108,7 +103,6 @@ def _moe_gemm_kernel(
     k_per_split,
     ROW_TILES,  # shape-only bound on the row tiles with work (grid dimension 1 is at most this)
     EP: tl.constexpr,  # next power of two >= E
-    DOT_FP8: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -140,19 +134,19 @@ def _moe_gemm_kernel(
     end = tl.minimum(end, ROW_TILES)
     for t in range(pid_m, end, grid_m):
         _moe_tile(
-            x_ptr, xs_ptr, w_ptr, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_xm, stride_xsm,
+            x_ptr, w_ptr, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_xm,
             stride_we, stride_wn, stride_wse, stride_wsn, stride_om, k_per_split,
             t, total, eidx, lo, hi, nblk, cum, offs_n, n_mask, pid_k,
-            DOT_FP8, BM, BN, BK, SPLIT, OUT_KIND, ASM, F32_DOT,
+            BM, BN, BK, SPLIT, OUT_KIND, ASM, F32_DOT,
         )
 
 
 @triton.jit
 def _moe_tile(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_xm, stride_xsm,
+    x_ptr, w_ptr, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_xm,
     stride_we, stride_wn, stride_wse, stride_wsn, stride_om, k_per_split,
     t, total, eidx, lo, hi, nblk, cum, offs_n, n_mask, pid_k,
-    DOT_FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     OUT_KIND: tl.constexpr, ASM: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """Row tile ``t``: expert tile ``t`` when ``t < total``, else (SPLIT == 1) zeros for row
@@ -167,42 +161,23 @@ def _moe_tile(
         w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         ws_rows = ws_ptr + e.to(tl.int64) * stride_wse + offs_n.to(tl.int64) * stride_wsn
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-        xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(k_lo, k_hi, BK):
-            if DOT_FP8:
-                for c in tl.static_range(BK // 32):
-                    kb = k0 + c * 32
-                    kh = kb // 2 + tl.arange(0, 16)
-                    p = tl.load(
-                        w_rows + kh[None, :], mask=n_mask[:, None] & (kh * 2 < k_hi)[None, :], other=0
-                    )
-                    kk = kb + tl.arange(0, 32)
-                    xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < k_hi)[None, :], other=0)
-                    part = tl.dot(e2m1_e4m3_x64(p, BN, 16, ASM), tl.trans(xv.to(tl.float8e4nv, bitcast=True)))
-                    sw = ue8m0(
-                        tl.load(ws_rows + kb // 32, mask=n_mask & (offs_n * 0 + kb < k_hi), other=0), 6
-                    )
-                    sx = ue8m0(
-                        tl.load(xs_rows + kb // 32, mask=m_mask & (offs_m * 0 + kb < k_hi), other=0), 0
-                    )
-                    acc += part * sw[:, None] * sx[None, :]
-            else:
-                kh = k0 // 2 + tl.arange(0, BK // 2)
-                kc = k0 // 32 + tl.arange(0, BK // 32)
-                cmask = kc * 32 < k_hi
-                p = tl.load(w_rows + kh[None, :], mask=n_mask[:, None] & (kh * 2 < k_hi)[None, :], other=0)
-                sw = ue8m0(
-                    tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 6
-                )
-                w = e2m1_e4m3_x64(p, BN, BK // 2, ASM).to(tl.float32)
-                w = scale_blocks(w, sw, BN, BK)
-                kk = k0 + tl.arange(0, BK)
-                kmask = kk < k_hi
-                xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
-                acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
+            kh = k0 // 2 + tl.arange(0, BK // 2)
+            kc = k0 // 32 + tl.arange(0, BK // 32)
+            cmask = kc * 32 < k_hi
+            p = tl.load(w_rows + kh[None, :], mask=n_mask[:, None] & (kh * 2 < k_hi)[None, :], other=0)
+            sw = ue8m0(
+                tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 6
+            )
+            w = e2m1_e4m3_x64(p, BN, BK // 2, ASM).to(tl.float32)
+            w = scale_blocks(w, sw, BN, BK)
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < k_hi
+            xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
+            acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
         omask = n_mask[:, None] & m_mask[None, :]
         store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, R, N, stride_om, SPLIT, OUT_KIND)
     elif SPLIT == 1:
@@ -245,19 +220,15 @@ def grouped_fp4_gemm(
     act: str = "bf16",
     out_dtype: torch.dtype | None = None,
     *,
-    design: str | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``[R, N]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` times
     expert ``e``'s ``W_e.T`` (``weight [E, N, K/2]`` int8/uint8 packed E2M1, ``scale
     [E, N, K/32]`` UE8M0); zeros past ``expert_offsets[-1]``. ``expert_offsets`` int32/int64
     ``[E+1]`` on x's device, ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R`` (not
-    checked: that would synchronise)."""
-    if act not in DEFAULT_DESIGN:
+    checked: that would synchronise). ``config`` overrides the tile choice (tests, benchmarks)."""
+    if act not in ACT_MODES:
         raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
-    design = design or DEFAULT_DESIGN[act]
-    if design not in DESIGNS or (design == "fp8" and act != "mxfp8"):
-        raise ValueError(f"design {design!r} is not available for act={act!r}")
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != 2 * weight.shape[2]:
         raise ValueError(
             f"x [R, K] and weight [E, N, K/2] expected, got {tuple(x.shape)}, {tuple(weight.shape)}"
@@ -281,7 +252,7 @@ def grouped_fp4_gemm(
     if r == 0:
         return out
     w, s = weight_bytes(weight, scale)
-    xv, xs = gemm_activations(x, act, design)
+    xv = gemm_activations(x, act)
     cfg, split, k_per_split = split_k(
         dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device)), k
     )
@@ -296,7 +267,6 @@ def grouped_fp4_gemm(
     grid = (n_tiles, grid_m, split)
     _moe_gemm_kernel[grid](
         xv,
-        xs,
         w,
         s,
         offs,
@@ -306,7 +276,6 @@ def grouped_fp4_gemm(
         k,
         e_count,
         xv.stride(0),
-        xs.stride(0),
         w.stride(0),
         w.stride(1),
         s.stride(0),
@@ -315,7 +284,6 @@ def grouped_fp4_gemm(
         k_per_split,
         row_tiles,
         EP=triton.next_power_of_2(e_count),
-        DOT_FP8=design == "fp8",
         SPLIT=split,
         OUT_KIND=kind,
         ASM=not _INTERPRET,

@@ -1,4 +1,4 @@
-"""Sparse MLA decode attention straight from the paged quantised caches (spec §6.7).
+"""Sparse MLA decode attention straight from the paged quantised caches.
 
 Each query token attends the ``W`` window keys of its position (MXFP8 records of the layer's window cache)
 and, on compressed layers, its top-k entries of the KV source's NVFP4 compressed cache; keys are values

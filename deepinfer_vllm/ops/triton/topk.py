@@ -32,7 +32,7 @@ def _default_dbits() -> int:
     """Radix digit width. Up to Triton 3.6 ``tl.histogram`` counts with one warp ballot per bit
     plus ~3 ops per bin a lane owns (bins / 32), so 5-bit digits (one bin per lane) are cheapest:
     on an H200 they beat 4, 6, 7 and 8 bits at 34 of 35 top-k shapes, by 4-15 % over 6 bits
-    (``benchmarks/README.md``, run 12). Later versions count with one shared-memory atomic per
+    (``benchmarks/HISTORY.md``, run 12). Later versions count with one shared-memory atomic per
     element, and 8-bit digits save a pass."""
     try:
         major, minor = (int(x) for x in triton.__version__.split(".")[:2])
@@ -536,7 +536,7 @@ def choose_reg_reduction(n: int, k: int, reg_max: int = REG_MAX, max_s1: int = 3
     block maxima, ``k * S1`` gathered entries) near 4096 entries. ``S1 = max(4096 / k, n / 4096)``
     rounded up to a power of two, at most ``max_s1`` unless the block maxima need more to fit,
     and ``k * S1 <= reg_max``; 1 where a row that fits whole would not be halved; None where
-    nothing fits. On the H200 (benchmarks/README.md, run 11) this is the fastest block size, or
+    nothing fits. On the H200 (benchmarks/HISTORY.md, run 11) this is the fastest block size, or
     within 2 % of it, at every benchmark shape (k = 512 over 8192-131072 entries, k = 2048 over
     16384-65536, the reindex layer's 16384), and up to 2.4x faster than the rule before (the
     smallest sum of the two tiles, which kept rows of <= 16384 entries whole)."""

@@ -17,10 +17,12 @@ DSpark) is shared with the paths that run here; only this module touches
 Covered: SoC name, device count, set_device, synchronize, streams and events,
 memory queries (free/total, peak, empty_cache), the distributed backend name
 (HCCL) and process-group creation, the environment an Ascend process needs
-(design §8: visible devices, allocator settings), the dtype UE8M0 scales are
-held in, what counts as an out-of-memory error, and :meth:`TorchNPU.torch_api`,
-which points the stream, event and synchronisation calls of vLLM's GPU runner
-at this device. Graph capture is not used yet (V4.1 runs eager on Ascend).
+before it first touches the device (visible devices, allocator settings, HCCL
+timeouts), the dtype UE8M0 scales are held in, what counts as an out-of-memory
+error, and :meth:`TorchNPU.torch_api`, which points the stream, event and
+synchronisation calls of vLLM's GPU runner at this device
+(``patch.torch_device_calls``). Graph capture is not used yet (V4.1 runs eager
+on Ascend).
 
 No device before ``set_device``. vLLM resolves the platform, and asks it for the
 device's name and memory, in every process: the API server, the engine core and
@@ -44,6 +46,8 @@ import importlib.util
 import logging
 import os
 from functools import lru_cache
+
+from deepinfer_vllm.patch import torch_device_calls
 
 logger = logging.getLogger(__name__)
 
@@ -218,12 +222,12 @@ class TorchNPU:
         self._npu.manual_seed_all(seed)
 
     @property
-    def Stream(self) -> type:  # noqa: N802 (mirrors torch.cuda.Stream)
+    def Stream(self) -> type:
         """This device's stream class (``torch_npu.npu.Stream``)."""
         return self._npu.Stream
 
     @property
-    def Event(self) -> type:  # noqa: N802
+    def Event(self) -> type:
         """This device's event class (``torch_npu.npu.Event``)."""
         return self._npu.Event
 
@@ -256,16 +260,10 @@ class TorchNPU:
     @contextlib.contextmanager
     def torch_api(self):
         """Inside, the device calls vLLM's GPU runner makes by name are this device's
-        (``torch_patches``). The NPU worker holds it for its process's lifetime."""
-        patches = self.torch_patches()
-        saved = {key: getattr(*key) for key in patches}
-        for (owner, name), value in patches.items():
-            setattr(owner, name, value)
-        try:
+        (``torch_patches``, through ``patch.torch_device_calls``). The NPU worker holds it
+        for its process's lifetime."""
+        with torch_device_calls.apply(self.torch_patches()):
             yield self
-        finally:
-            for (owner, name), value in saved.items():
-                setattr(owner, name, value)
 
     def new_group(self, ranks, **kwargs):
         """A process group over ``ranks`` on HCCL."""
@@ -274,7 +272,7 @@ class TorchNPU:
         return dist.new_group(ranks, backend=self.dist_backend, **kwargs)
 
     def process_env(self) -> dict[str, str]:
-        """Variables an Ascend process sets before touching the device (design §8),
+        """Variables an Ascend process sets before touching the device,
         each only where the user left it unset.
 
         ``HCCL_BUFFSIZE`` and ``HCCL_EXEC_TIMEOUT`` keep HCCL's defaults (200 MB per

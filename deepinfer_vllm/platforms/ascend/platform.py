@@ -10,7 +10,7 @@ DeepInfer's backend. What differs is the device profile:
 
 * on an NPU (through ``device.TorchNPU``): device ``npu``, dispatch key
   ``PrivateUse1``, HCCL, ``ASCEND_RT_VISIBLE_DEVICES``, eager execution (no
-  graph capture yet), spawned workers, the process variables of design §8,
+  graph capture yet), spawned workers, the process variables of docs/design-notes.md, "Ascend process settings",
   PyTorch kernels in place of vLLM's Triton ones (``kernels.py``);
 * simulated (``DEEPINFER_SIMULATED_NPU=1``, tests only): the same class,
   worker and runner with the device layer stubbed; tensors live on the host,
@@ -33,13 +33,9 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from deepinfer_vllm.platforms.ascend import device as npu
-from deepinfer_vllm.platforms.cpu import (
-    STOCK_WORKERS,
-    V41_BACKEND,
-    DeepInferCpuPlatform,
-    configure_v41,
-    is_v41,
-)
+from deepinfer_vllm.platforms import plugin_serves_v41
+from deepinfer_vllm.platforms.cpu import STOCK_WORKERS, DeepInferCpuPlatform
+from deepinfer_vllm.platforms.v41_config import V41_BACKEND, configure_v41
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +91,7 @@ class DeepInferAscendPlatform(Platform):
 
     # UE8M0 scale parameters are held in this dtype on the device (uint8 bytes; see
     # ``TorchNPU.ue8m0_dtype``). The model asks the platform through vLLM's
-    # ``current_platform`` (``model_executor.layers.weights.ue8m0_dtype``); the layer decides.
+    # ``current_platform`` (``model_executor.layers.params.ue8m0_dtype``); the layer decides.
     ue8m0_storage_dtype: torch.dtype = _LAYER.ue8m0_dtype
 
     @classmethod
@@ -233,7 +229,7 @@ class DeepInferAscendPlatform(Platform):
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
-        if model_config is not None and not is_v41(model_config):
+        if model_config is not None and not plugin_serves_v41(model_config):
             from deepinfer_vllm.configs import is_v41_config
 
             if is_v41_config(model_config.hf_config):

@@ -11,7 +11,8 @@ distributed set-up on the platform's backend (HCCL), memory profiling
 (``kv_cache_bytes``: vLLM's start-up check and peak-based budget), and an eager
 warm-up before serving. While the worker lives, its process's ``torch.cuda``
 stream and event calls and ``torch.accelerator`` synchronisation are the device
-layer's (``TorchNPU.torch_api``), which is how vLLM's runner code runs unchanged.
+layer's (``TorchNPU.torch_api``, ``patch.torch_device_calls``), which is how vLLM's
+runner code runs unchanged.
 
 On the simulated NPU (``DEEPINFER_SIMULATED_NPU=1``) these same classes run
 with host tensors: each staging buffer and its "device" twin are separate

@@ -16,7 +16,7 @@ import pytest
 
 from deepinfer_vllm.platforms.ascend import device as npu
 from deepinfer_vllm.platforms.ascend.platform import V41_NPU_WORKER, DeepInferAscendPlatform
-from deepinfer_vllm.platforms.cpu import V41_BACKEND
+from deepinfer_vllm.platforms.v41_config import V41_BACKEND
 
 PROCESS_ENV = (
     "PYTORCH_NPU_ALLOC_CONF",

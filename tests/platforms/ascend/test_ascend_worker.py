@@ -9,7 +9,6 @@ import contextlib
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -312,83 +311,9 @@ def test_other_load_errors_pass_through(monkeypatch, error):
     assert got.value is error  # vLLM's own handler already spoke for torch.OutOfMemoryError
 
 
-# ------------------------------------------------------------------ seeded rewind
-class NPUGenerator:
-    """A device generator as the runner sees it: host-side state (seed, offset), an offset
-    that sampling kernels advance by their own amounts (not CUDA's 4)."""
-
-    device = SimpleNamespace(type="npu")
-
-    def __init__(self):
-        self.seed, self.offset, self.set_offset_calls = 7, 0, 0
-
-    def get_state(self):
-        return torch.tensor([self.seed, self.offset])
-
-    def set_state(self, state):
-        self.seed, self.offset = (int(v) for v in state)
-
-    def get_offset(self):
-        return self.offset
-
-    def set_offset(self, offset):
-        self.set_offset_calls += 1
-        self.offset = offset
-
-
-class VllmRunnerStub:
-    """vLLM's two steps the mixin wraps: sampling advances each generator; bookkeeping
-    rewinds those of discarded samples by CUDA's offset step."""
-
-    def _sample(self, logits, spec_decode_metadata):
-        for gen in self.input_batch.generators.values():
-            if isinstance(gen, NPUGenerator):
-                gen.offset += 12  # what one NPU sampling kernel consumed
-            else:
-                torch.rand(3, generator=gen)
-        return "sampled"
-
-    def _bookkeeping_sync(self):
-        for i in range(self.input_batch.num_reqs):
-            gen = self.input_batch.generators.get(i)
-            if gen is not None and self.discard_request_mask.np[i]:
-                gen.set_offset(gen.get_offset() - 4)
-        return "kept"
-
-
-def _rewind_runner(generators, discard):
-    from deepinfer_vllm.platforms.v41_runner import V41RunnerMixin
-
-    class Runner(V41RunnerMixin, VllmRunnerStub):
-        pass
-
-    r = Runner()
-    r.input_batch = SimpleNamespace(num_reqs=len(discard), generators=generators)
-    r.discard_request_mask = SimpleNamespace(np=np.array(discard))
-    return r
-
-
-def test_npu_generators_rewind_exactly_after_a_discarded_chunk():
-    gen, kept = NPUGenerator(), NPUGenerator()
-    r = _rewind_runner({0: gen, 1: kept}, [True, False])
-    assert r._sample(None, None) == "sampled" and r._bookkeeping_sync() == "kept"
-    assert (gen.offset, gen.set_offset_calls) == (0, 0)  # back where it was; no CUDA rewind
-    assert kept.offset == 12  # a sample that is kept stays drawn
-    assert r.input_batch.generators == {0: gen, 1: kept}
-
-
-def test_cpu_generators_draw_the_same_numbers_after_the_rewind():
-    gen = torch.Generator().manual_seed(3)
-    first = torch.rand(3, generator=torch.Generator().manual_seed(3))
-    r = _rewind_runner({0: gen}, [True])
-    r._sample(None, None)
-    r._bookkeeping_sync()
-    assert torch.equal(torch.rand(3, generator=gen), first)
-
-
 # ------------------------------------------------------------------ timing on the device
 def _proposer(adaptive: bool):
-    from deepinfer_vllm.spec_decode.config import ADDITIONAL_CONFIG_KEY
+    from deepinfer_vllm.configs.dspark import ADDITIONAL_CONFIG_KEY
     from deepinfer_vllm.spec_decode.proposer import DSparkProposer
 
     cfg = SimpleNamespace(
@@ -516,7 +441,7 @@ def test_ue8m0_scales_are_held_as_uint8_on_the_npu_with_the_same_numbers(ascend_
 
     from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
     from deepinfer_vllm.model_executor.layers.v41_engram import EngramTable
-    from deepinfer_vllm.model_executor.layers.weights import ue8m0_dtype
+    from deepinfer_vllm.model_executor.layers.params import ue8m0_dtype
     from deepinfer_vllm.model_executor.quantization import V41Fp8LinearMethod
     from deepinfer_vllm.ops import quant
     from deepinfer_vllm.ops.moe import route_sqrtsoftplus
@@ -547,7 +472,7 @@ def test_ue8m0_scales_are_held_as_uint8_on_the_npu_with_the_same_numbers(ascend_
 def test_checkpoint_loader_reinterprets_e8m0_into_uint8(ascend_platform):
     """The model's loader copies a released e8m0 tensor into a uint8 parameter byte for byte
     (a numeric conversion would turn 2**k into k-saturated integers)."""
-    from deepinfer_vllm.model_executor.layers.weights import held, ue8m0_dtype
+    from deepinfer_vllm.model_executor.layers.params import held, ue8m0_dtype
     from deepinfer_vllm.model_executor.models.deepseek_v41 import DeepseekV41ForCausalLM
 
     param = held(3, 4, dtype=ue8m0_dtype())

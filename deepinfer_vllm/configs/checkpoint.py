@@ -1,9 +1,9 @@
 """The released DeepSeek-V4.1 checkpoint format: names, shapes, dtypes, loading.
 
-One source of truth for what a V4.1 safetensors checkpoint contains (spec §12,
-design §1.12): the checkpoint maker writes exactly ``expected_tensors``, the
-loader validates headers against it before reading any data, and
-``iter_dequantized`` turns the stored formats into dense tensors.
+One source of truth for what a V4.1 safetensors checkpoint contains (docs/architecture.md,
+"Checkpoint tensors"; docs/design-notes.md, "Checkpoint format and loading"): the checkpoint
+maker writes exactly ``expected_tensors``, the loader validates headers against it before
+reading any data, and ``iter_dequantized`` turns the stored formats into dense tensors.
 
 Names are the raw keys of the release (no ``model.`` prefix, which is accepted
 and stripped on read, as DeepInfer does). Storage rules:
@@ -19,7 +19,7 @@ and stripped on read, as DeepInfer does). Storage rules:
 Where the sources disagree on a dtype the primary dtype below is what the
 maker writes and ``alt_dtypes`` are also accepted on load (see each use of
 ``_ALT_*``): a loader that rejected the real release would be useless, and the
-dtypes in question are marked unverified in spec §19.6/§19.7.
+dtypes in question are unverified (docs/architecture.md, "Unverified dtypes").
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ __all__ = [
     "INDEX_FILE",
     "DSPARK_PREFIX",
     "dspark_prefix",
+    "encode_tensor",
+    "STORAGE_DTYPES",
     "VISION_PREFIXES",
     "CheckpointFormatError",
     "TensorSpec",
@@ -70,16 +72,16 @@ BLOCK = 32
 INDEX_FILE = "model.safetensors.index.json"
 
 # Unverified dtypes: (primary written by the maker, also accepted).
-# Compressor wkv/wgate: fp32 per spec §6.1/§12.3 (NeMo's strict-fp32 list, and
+# Compressor wkv/wgate: fp32 per the training port (NeMo's strict-fp32 list, and
 # the reference projects ratio-2 groups in fp32); DeepInfer builds them bf16.
 _ALT_COMPRESSOR = (BF16,)
-# Confidence head: fp32 per spec §12.4; DeepInfer builds it in the model dtype.
+# Confidence head: fp32 per the training port; DeepInfer builds it in the model dtype.
 _ALT_CONFIDENCE = (BF16,)
-# head.weight: bf16 per DeepInfer (§1.3 "the head is bf16"); NeMo keeps fp32.
+# head.weight: bf16 per DeepInfer (its logits are a bf16 GEMM into fp32); NeMo keeps fp32.
 _ALT_HEAD = (F32,)
 # image_start/end/newline: bf16 per DeepInfer's container; vLLM allocates fp32.
 _ALT_IMAGE = (F32,)
-# Vision RMSNorm weights: fp32 per spec §12.4; DeepInfer's tower is bf16.
+# Vision RMSNorm weights: fp32 per the training port; DeepInfer's tower is bf16.
 _ALT_VISION_NORM = (BF16,)
 
 # Name prefixes of the two optional groups: the DSpark stages and the vision tower
@@ -88,11 +90,11 @@ DSPARK_PREFIX = "mtp."
 
 
 def dspark_prefix(k: int) -> str:
-    """Checkpoint and module prefix of DSpark stage ``k`` (spec §12.4)."""
+    """Checkpoint and module prefix of DSpark stage ``k``."""
     return f"{DSPARK_PREFIX}{k}"
 VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
-# Known keys that no implementation uses (spec §12.4): allowed, never required,
+# Known keys that no implementation uses: allowed, never required,
 # and dropped by ``iter_dequantized``.
 _UNUSED = {"image_pad"}
 
@@ -140,7 +142,7 @@ def scale_name(weight_name: str) -> str:
 
 
 def is_fp32_island(name: str) -> bool:
-    """Whether a tensor keeps fp32 after loading (spec §16: mHC, sinks, routing bias,
+    """Whether a tensor keeps fp32 after loading (docs/architecture.md, "Numerics": mHC, sinks, routing bias,
     compressor projections, confidence head)."""
     return _FP32_ISLANDS.search(name) is not None
 
@@ -177,7 +179,7 @@ class _SpecBuilder:
 
 
 def _block(b: _SpecBuilder, arch: V41Arch, prefix: str, role: LayerRole, n_experts: int) -> None:
-    """Every tensor of one transformer block (spec §12.2, §12.3)."""
+    """Every tensor of one transformer block ("Tensors of every layer", "Tensors by layer role")."""
     d, hd, heads = arch.hidden_size, arch.head_dim, arch.num_heads
     mix = arch.hc_mix_dim
     b.add(f"{prefix}.attn_norm.weight", (d,), BF16)
@@ -229,13 +231,13 @@ def _block(b: _SpecBuilder, arch: V41Arch, prefix: str, role: LayerRole, n_exper
         b.add(f"{e}.k_weight", (arch.hc_mult, d), BF16)
 
 
-def _mtp_heads(b: _SpecBuilder, arch: V41Arch) -> None:
-    """DSpark's extra tensors: input projection on the first stage, heads on the last (§13.1)."""
+def _dspark_heads(b: _SpecBuilder, arch: V41Arch) -> None:
+    """DSpark's extra tensors: input projection on the first stage, heads on the last."""
     d, rank = arch.hidden_size, arch.dspark_markov_rank
     # mtp.0.main_proj: FP8 + scale (likely; vLLM and DeepInfer build it with the FP8 config).
     b.fp8(f"{dspark_prefix(0)}.main_proj", d, len(arch.dspark_target_layer_ids) * d)
     b.add(f"{dspark_prefix(0)}.main_norm.weight", (d,), BF16)
-    last = dspark_prefix(arch.num_mtp_layers - 1)
+    last = dspark_prefix(arch.num_dspark_layers - 1)
     b.add(f"{last}.norm.weight", (d,), BF16)
     # Markov heads bf16 (likely; DeepInfer builds them unquantised in bf16).
     b.add(f"{last}.markov_head.embed.weight", (arch.vocab_size, rank), BF16)
@@ -245,7 +247,7 @@ def _mtp_heads(b: _SpecBuilder, arch: V41Arch) -> None:
 
 
 def _vision(b: _SpecBuilder, arch: V41Arch) -> None:
-    """ViT, aligner and the image delimiter vectors (spec §12.4, §14)."""
+    """ViT, aligner and the image delimiter vectors (docs/architecture.md, "Vision")."""
     d, vd, inter = arch.hidden_size, arch.vision_dim, arch.vision_inter_dim
     for name in ("image_start", "image_end", "image_newline"):
         b.add(name, (d,), BF16, _ALT_IMAGE)
@@ -270,7 +272,7 @@ def _vision(b: _SpecBuilder, arch: V41Arch) -> None:
 
 
 def expected_tensors(
-    arch: V41Arch, include_vision: bool = True, include_mtp: bool = True
+    arch: V41Arch, include_vision: bool = True, include_dspark: bool = True
 ) -> dict[str, TensorSpec]:
     """Every tensor a checkpoint for ``arch`` holds, by raw name.
 
@@ -285,10 +287,10 @@ def expected_tensors(
     b.add("head.weight", (arch.vocab_size, d), BF16, _ALT_HEAD)
     for role in arch.roles:
         _block(b, arch, f"layers.{role.layer_id}", role, arch.n_routed_experts)
-    if include_mtp and arch.num_mtp_layers:
-        for k, role in enumerate(arch.mtp_roles):
+    if include_dspark and arch.num_dspark_layers:
+        for k, role in enumerate(arch.dspark_roles):
             _block(b, arch, dspark_prefix(k), role, arch.dspark_n_routed_experts)
-        _mtp_heads(b, arch)
+        _dspark_heads(b, arch)
     if include_vision and arch.has_vision:
         _vision(b, arch)
     return b.specs
@@ -396,7 +398,7 @@ def validate_checkpoint_index(
     arch: V41Arch,
     found: Mapping[str, tuple[tuple[int, ...], str]],
     include_vision: bool | None = None,
-    include_mtp: bool | None = None,
+    include_dspark: bool | None = None,
 ) -> None:
     """Check a header index against the format implied by ``arch``.
 
@@ -412,11 +414,11 @@ def validate_checkpoint_index(
                 f"tensor {raw!r} is stored twice (with and without the 'model.' prefix)"
             )
         by_canonical[canon] = raw
-    has_vision, has_mtp = _detect(by_canonical)
+    has_vision, has_dspark = _detect(by_canonical)
     expected = expected_tensors(
         arch,
         include_vision=has_vision if include_vision is None else include_vision,
-        include_mtp=has_mtp if include_mtp is None else include_mtp,
+        include_dspark=has_dspark if include_dspark is None else include_dspark,
     )
     problems: list[str] = []
     for name, spec in expected.items():
@@ -523,3 +525,29 @@ def iter_dequantized(
             f"quantised tensors without their partner (weight/scale): {orphans[:10]}"
             + (f" ... and {len(orphans) - 10} more" if len(orphans) > 10 else "")
         )
+
+
+# Storage dtypes of the unquantised tensors.
+STORAGE_DTYPES = {F32: torch.float32, BF16: torch.bfloat16}
+
+
+def encode_tensor(name: str, dense: torch.Tensor, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """fp32 values of tensor ``name`` in its storage format: the tensor, plus its UE8M0
+    scale for FP8 / FP4 weights (``specs``: ``expected_tensors``). The encoder of the format
+    this module describes: checkpoints the tools write, and DSpark drafts they train."""
+    spec = specs[name]
+    if spec.dtype == FP4:
+        codes, scale = quant.quant_fp4_rows(dense)
+        stored = codes.view(torch.int8)
+    elif spec.dtype == FP8:
+        if name.endswith("engram.embed.weight"):
+            codes, scale = quant.quant_fp8_rows(dense)
+        else:
+            codes, scale = quant.quant_fp8_block(dense, BLOCK)
+        stored = codes.view(torch.float8_e4m3fn)
+    else:
+        return {name: dense.to(STORAGE_DTYPES[spec.dtype])}
+    sname = scale_name(name)
+    if tuple(scale.shape) != specs[sname].shape:
+        raise AssertionError(f"{sname}: quantiser gave {tuple(scale.shape)}, format says {specs[sname].shape}")
+    return {name: stored, sname: scale.view(torch.float8_e8m0fnu)}

@@ -1,9 +1,14 @@
-"""Bounded grammars (``entrypoints/structured_outputs.py``) against xgrammar itself: what
-the stock compile lets through, what ours refuses, and that valid text stays accepted."""
+"""``patch.structured_outputs``: bounded grammars against xgrammar itself (what the stock
+compile lets through, what ours refuses, and that valid text stays accepted), and the vLLM
+internals the patch wraps. The request validation it wraps (V4.1 keywords refused, V4.1
+schemas kept on xgrammar, other models on vLLM's stock validation) is tested with the
+keyword catalogue, in ``tests/entrypoints/test_schema_keywords.py``."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import json
 
 import pytest
@@ -11,7 +16,7 @@ import vllm  # noqa: F401  (vLLM's import order: transformers' circular import o
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from deepinfer_vllm.entrypoints.structured_outputs import (
+from deepinfer_vllm.patch.structured_outputs import (
     BoundedGrammarCompiler,
     bounded_string_pattern,
     grammar_schema,
@@ -126,3 +131,55 @@ def test_structural_tags_bound_json_and_xml_arguments(compiler):
         assert accepts(stock, padded) and not accepts(ours, padded)
         if control is not None:
             assert accepts(stock, control) and not accepts(ours, control)
+
+
+def test_vllms_xgrammar_backend_compiles_with_its_own_compiler():
+    """vLLM builds one ``xgr.GrammarCompiler`` per backend in ``__post_init__`` and compiles
+    JSON schemas and structural tags through it, with xgrammar's defaults (no whitespace
+    cap). When this fails, vLLM builds or calls the compiler another way: the wrap in
+    ``__post_init__`` may no longer reach it."""
+    import ast
+
+    from vllm.v1.structured_output import backend_xgrammar
+
+    # vLLM's own source (the class's methods may already be wrapped in this process).
+    source = inspect.getsource(backend_xgrammar)
+    (backend,) = [
+        node for node in ast.parse(source).body
+        if isinstance(node, ast.ClassDef) and node.name == "XgrammarBackend"
+    ]
+    methods = {
+        node.name: ast.get_source_segment(source, node)
+        for node in backend.body
+        if isinstance(node, ast.FunctionDef)
+    }
+    post_init = methods["__post_init__"]
+    assert "self.compiler = xgr.GrammarCompiler(" in post_init
+    compile_grammar = methods["compile_grammar"]
+    assert "self.compiler.compile_json_schema(" in compile_grammar
+    assert "self.compiler.compile_structural_tag(" in compile_grammar
+    assert "max_whitespace_cnt" not in compile_grammar
+
+
+def test_structured_output_validation_hook():
+    """The patch wraps ``SamplingParams._validate_structured_outputs`` (the front end's check)
+    and pins ``_backend`` to xgrammar for V4.1."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    params = list(inspect.signature(SamplingParams._validate_structured_outputs).parameters)
+    assert params == ["self", "model_config", "structured_outputs_config", "tokenizer"], params
+    fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+    assert {"json", "structural_tag", "_backend", "_backend_was_auto"} <= fields, fields
+
+
+def test_apply_wraps_both_once():
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    from deepinfer_vllm.patch import structured_outputs
+
+    structured_outputs.apply()
+    validate, post_init = SamplingParams._validate_structured_outputs, XgrammarBackend.__post_init__
+    structured_outputs.apply()  # idempotent
+    assert SamplingParams._validate_structured_outputs is validate and XgrammarBackend.__post_init__ is post_init
+    assert validate.__wrapped__.__module__ == "vllm.sampling_params"

@@ -7,8 +7,8 @@ import pytest
 import torch
 from v41_harness import PagedHarness
 
-from deepinfer_vllm.model_executor.checkpoint import read_safetensors_index
-from deepinfer_vllm.model_executor.weight_bytes import component_of, weight_bytes
+from deepinfer_vllm.configs.checkpoint import read_safetensors_index
+from deepinfer_vllm.model_executor.resident_bytes import component_of, weight_bytes
 
 BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
 

@@ -6,7 +6,7 @@ import pytest
 
 from vllm.engine.arg_utils import EngineArgs
 
-from deepinfer_vllm.spec_decode.config import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, dspark_settings
+from deepinfer_vllm.configs.dspark import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, dspark_settings
 
 
 def _config(model: str, spec: dict | None, **kwargs):
@@ -49,12 +49,12 @@ def test_bad_speculative_configs_name_the_field(tiny_checkpoint, spec, match):
 def test_checkpoint_without_dspark_stages_is_refused(tmp_path):
     from deepinfer_vllm.tools.make_checkpoint import make_checkpoint
 
-    out = make_checkpoint(tmp_path / "nomtp", preset="tiny", include_mtp=False)
+    out = make_checkpoint(tmp_path / "nomtp", preset="tiny", include_dspark=False)
     with pytest.raises(ValueError, match=r"method='dspark': this checkpoint's config has no DSpark stages"):
         _config(str(out), {"method": "dspark", "num_speculative_tokens": 1})
 
 
-def test_config_with_stages_but_no_mtp_tensors_is_refused(tmp_path, tiny_checkpoint):
+def test_config_with_stages_but_no_stage_tensors_is_refused(tmp_path, tiny_checkpoint):
     """A config that promises DSpark stages over weights exported without them."""
     import json
     import shutil
@@ -80,16 +80,38 @@ def test_data_parallel_with_dspark_is_refused_for_now(tiny_checkpoint):
         )
 
 
-def test_nextn_env_sets_k_where_vllm_filled_in_the_block_size(tiny_checkpoint, monkeypatch):
+def test_drafts_env_sets_k_where_vllm_filled_in_the_block_size(tiny_checkpoint, monkeypatch):
     """With the draft ``model`` named and no k, vLLM fills in dspark_block_size (3 for tiny)."""
     spec = {"method": "dspark", "model": tiny_checkpoint}
     assert dspark_settings(_config(tiny_checkpoint, dict(spec))).num_speculative_tokens == 3
-    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
+    monkeypatch.setenv("DEEPINFER_DSPARK_DRAFTS", "2")
     cfg = _config(tiny_checkpoint, dict(spec))
     assert dspark_settings(cfg).num_speculative_tokens == 2
     assert cfg.speculative_config.num_speculative_tokens == 2
     # An explicit k other than the block size is the user's.
     assert dspark_settings(_config(tiny_checkpoint, {**spec, "num_speculative_tokens": 1})).num_speculative_tokens == 1
+    monkeypatch.setenv("DEEPINFER_DSPARK_DRAFTS", "0")
+    with pytest.raises(ValueError, match="DEEPINFER_DSPARK_DRAFTS=0"):
+        _config(tiny_checkpoint, dict(spec))
+
+
+def test_old_drafts_env_name_still_works_and_is_named(tiny_checkpoint, monkeypatch, caplog):
+    """``DEEPINFER_USE_NEXTN_DECODE`` (the older name) sets k where the new name is unset, the
+    log says it is deprecated, and errors name the variable the user set."""
+    from deepinfer_vllm import envs
+
+    spec = {"method": "dspark", "model": tiny_checkpoint}
+    monkeypatch.delenv("DEEPINFER_DSPARK_DRAFTS", raising=False)
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
+    monkeypatch.setattr(envs, "_warned", set())
+    # The plugin's loggers hang under vLLM's, which does not propagate to the root.
+    monkeypatch.setattr(envs.logger, "handlers", [caplog.handler])
+    monkeypatch.setattr(envs.logger, "propagate", False)
+    with caplog.at_level("WARNING", logger="deepinfer_vllm.envs"):
+        assert dspark_settings(_config(tiny_checkpoint, dict(spec))).num_speculative_tokens == 2
+    assert "DEEPINFER_USE_NEXTN_DECODE is deprecated; set DEEPINFER_DSPARK_DRAFTS instead" in caplog.text
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
     with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE=0"):
         _config(tiny_checkpoint, dict(spec))
+    monkeypatch.setenv("DEEPINFER_DSPARK_DRAFTS", "1")  # the new name wins where both are set
+    assert dspark_settings(_config(tiny_checkpoint, dict(spec))).num_speculative_tokens == 1

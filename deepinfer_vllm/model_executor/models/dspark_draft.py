@@ -1,4 +1,5 @@
-"""DSpark's draft layers inside the vLLM model (spec §13.1-13.3, deepinfer-design §2.2-2.3).
+"""DSpark's draft layers inside the vLLM model (docs/architecture.md, "DSpark"; docs/design-notes.md,
+"Context keys" and "Draft step").
 
 The stages ``mtp.0 .. mtp.{n-1}`` are V4.1 blocks with window-only attention. Each owns a
 window cache that vLLM pages like the target's (``mtp.{k}.attn.window_cache``), holding the
@@ -22,13 +23,15 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
-from deepinfer_vllm.model_executor.checkpoint import dspark_prefix
+from deepinfer_vllm.configs.checkpoint import dspark_prefix
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
-from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collapse_norm, expand
+from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collapse_norm
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
-from deepinfer_vllm.model_executor.layers.weights import V41Norm, held, linear
+from deepinfer_vllm.model_executor.layers.linear import linear
+from deepinfer_vllm.model_executor.layers.norm import V41Norm
+from deepinfer_vllm.model_executor.layers.params import held
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.dspark import context_window
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
@@ -118,7 +121,7 @@ class DSparkStage(nn.Module):
                 return_bias=False,
             )
             self.main_norm = V41Norm(d, arch.rms_norm_eps)
-        if index == arch.num_mtp_layers - 1:
+        if index == arch.num_dspark_layers - 1:
             self.norm = V41Norm(d, arch.rms_norm_eps)
             self.markov_head = MarkovHead(arch.vocab_size, arch.dspark_markov_rank)
             self.confidence_head = ConfidenceHead(d + arch.dspark_markov_rank) if arch.enable_confidence_head else None
@@ -126,15 +129,15 @@ class DSparkStage(nn.Module):
     def forward(self, streams, pre_in, ids, pos, req, anchor, k: int, state: StepState):
         pre_a, post_a, comb_a = self.hc_attn.mix(streams)
         x = collapse_norm(streams, pre_in, self.attn_norm)
-        streams = expand(self.attn.draft(x, pos, req, anchor, k, state), streams, post_a, comb_a)
+        streams = self.hc_attn.expand(self.attn.draft(x, pos, req, anchor, k, state), streams, post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn.mix(streams)
         x = collapse_norm(streams, pre_a, self.ffn_norm)
-        streams = expand(self.ffn(x, ids), streams, post_f, comb_f)
+        streams = self.hc_ffn.expand(self.ffn(x, ids), streams, post_f, comb_f)
         return streams, pre_f
 
 
 def build_stages(arch: V41Arch, rope_cache, cache_layers, quant_config, layout) -> nn.ModuleList:
     return nn.ModuleList(
         DSparkStage(arch, k, role, rope_cache, cache_layers, quant_config, layout)
-        for k, role in enumerate(arch.mtp_roles)
+        for k, role in enumerate(arch.dspark_roles)
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_vllm.model_executor import checkpoint
+from deepinfer_vllm.configs import checkpoint
 
 __all__ = ["COMPONENTS", "component_of", "format_report", "weight_bytes"]
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer_vllm.configs import ConfigError, V41Arch
-from deepinfer_vllm.model_executor import checkpoint as ckpt
-from deepinfer_vllm.model_executor.checkpoint import CheckpointFormatError
+from deepinfer_vllm.configs import checkpoint as ckpt
+from deepinfer_vllm.configs.checkpoint import CheckpointFormatError
 from deepinfer_vllm.tools.make_checkpoint import make_checkpoint
 from deepinfer_vllm.tools.presets import get_preset
 
@@ -53,7 +53,7 @@ def test_header_equals_expected_tensors(tiny_arch: V41Arch, tiny_found: dict) ->
     ckpt.validate_checkpoint_index(tiny_arch, tiny_found)
 
 
-# Spec §18.4, written out by hand.
+# The tiny checkpoint's shapes, written out by hand (docs/architecture.md, "Tiny tensor shapes").
 TINY_SHAPES = {
     "embed.weight": ([129280, 128], BF),
     "head.weight": ([129280, 128], BF),
@@ -163,7 +163,7 @@ def test_tiny_shapes_match_spec_18_4(tiny_found: dict) -> None:
 
 
 def _flash() -> dict:
-    """Flash's dimensions (spec §2.2/§2.3) on top of the tiny preset's key set."""
+    """Flash's dimensions ("Text config", "Vision config") on top of the tiny preset's key set."""
     cfg = get_preset("tiny")
     cfg["text_config"].update(
         hidden_size=5120,
@@ -208,7 +208,7 @@ def _flash() -> dict:
     return cfg
 
 
-# Spec §6.1, §7.1, §12.2-§12.4 (Flash shapes).
+# Flash shapes: docs/architecture.md, "Attention parameters", "Mixture of experts", "Checkpoint tensors".
 FLASH_SHAPES = {
     "layers.0.hc_attn_fn": ([24, 20480], F32),
     "layers.0.attn.wq_a.scale": ([40, 160], E8),
@@ -268,7 +268,7 @@ def test_flash_shapes_match_spec_12() -> None:
 
 
 def test_optional_groups_can_be_left_out(tiny_arch: V41Arch) -> None:
-    text_only = ckpt.expected_tensors(tiny_arch, include_vision=False, include_mtp=False)
+    text_only = ckpt.expected_tensors(tiny_arch, include_vision=False, include_dspark=False)
     assert not any(n.startswith(("vision.", "aligner.", "image_", "mtp.")) for n in text_only)
     full = ckpt.expected_tensors(tiny_arch)
     assert set(text_only) < set(full)

@@ -1,21 +1,23 @@
-"""Weights stay in their released formats; each GEMM decodes what it needs when it runs.
+"""Weight GEMMs on the released formats: each decodes its weight when it runs.
 
 Parameters hold the checkpoint's bytes (FP8 E4M3 with 32x32 UE8M0 tiles, packed
 E2M1 experts with UE8M0 per 1x32, bf16 / fp32 where the release keeps them).
-A GEMM decodes its weight into one process-wide workspace, in the
-accumulation dtype of the activations (``ops.numerics.acc_dtype``: fp32 for
-bf16 models, fp64 for fp32 models), and multiplies. The decoded values are
-exact, so the products are those of a model holding dequantised weights; the
-workspace is reused by every GEMM of every layer, and weights with many rows
-are decoded and multiplied a row block at a time, so it never holds more than
-``WORKSPACE_ELEMENTS`` values per decode (splitting the output rows of a GEMM leaves
-every output element's sum unchanged). The multiply is ``ops.numerics.matmul``
-(fixed row tiles in batch-invariant mode).
+The references here (``gemm_fp8``, ``gemm_fp4``, ``gemm_stored``) decode a weight into
+one process-wide workspace, in the accumulation dtype of the activations
+(``ops.numerics.acc_dtype``: fp32 for bf16 models, fp64 for fp32 models), and
+multiply. The decoded values are exact, so the products are those of a model holding
+dequantised weights; the workspace is reused by every GEMM of every layer, and weights
+with many rows are decoded and multiplied a row block at a time, so it never holds more
+than ``WORKSPACE_ELEMENTS`` values per decode (splitting the output rows of a GEMM leaves
+every output element's sum unchanged). The multiply is ``ops.numerics.matmul`` (fixed row
+tiles in batch-invariant mode).
 
-FP8 and FP4 GEMMs take their activations as ``DEEPINFER_GEMM_ACTIVATIONS``
-says (as computed, or MXFP8-quantised as DeepInfer does), and on CUDA run the
-Triton kernels where ``choose_gemm_kernels`` picks them (bf16 models); the
-decode-and-multiply here is their reference path.
+FP8 and FP4 GEMMs take their activations as ``act`` says: ``"bf16"``, as computed, or
+``"mxfp8"``, MXFP8-quantised first as DeepInfer does. The operators a layer builds
+(``Fp8BlockGemm``, ``Fp8GroupedGemm``, ``Fp4RowsGemm``, ``StoredGemm``) read
+``DEEPINFER_GEMM_ACTIVATIONS`` once, when built, and run the references or, where
+``ops.dispatch`` picks them (bf16 models on CUDA), the Triton kernels of
+``ops/triton/fp8_gemm.py``. Imports no vLLM.
 """
 
 from __future__ import annotations
@@ -23,21 +25,26 @@ from __future__ import annotations
 import torch
 
 from deepinfer_vllm import envs
-from deepinfer_vllm.attention_backends.kernel_select import choose_gemm_kernels
-from deepinfer_vllm.ops import quant
-from deepinfer_vllm.ops.numerics import acc_dtype, matmul
+
+from . import quant
+from .dispatch import KernelOp
+from .numerics import acc_dtype, matmul
 
 __all__ = [
+    "FP8_TILE",
     "WORKSPACE_ELEMENTS",
+    "Fp4RowsGemm",
+    "Fp8BlockGemm",
+    "Fp8GroupedGemm",
+    "StoredGemm",
     "Workspace",
     "decode_fp4_rows",
     "decode_fp8_block",
     "decode_stored",
     "gemm_fp4",
     "gemm_fp8",
-    "gemm_input",
+    "gemm_fp8_grouped",
     "gemm_stored",
-    "use_gemm_kernels",
     "workspace",
 ]
 
@@ -109,29 +116,23 @@ def _gemm_blocks(x: torch.Tensor, rows: int, cols: int, align: int, decode, out_
     return out
 
 
-def gemm_input(x: torch.Tensor) -> torch.Tensor:
+def _gemm_input(x: torch.Tensor, act: str) -> torch.Tensor:
     """The activations an FP8 / FP4 weight GEMM multiplies: ``x``, or its MXFP8
-    quantise-dequantise (``DEEPINFER_GEMM_ACTIVATIONS=mxfp8``)."""
-    return quant.mxfp8_qdq(x) if envs.gemm_activations() == "mxfp8" else x
-
-
-def use_gemm_kernels(x: torch.Tensor) -> bool:
-    """Whether the weight GEMMs of activations ``x`` run the Triton kernels."""
-    return choose_gemm_kernels(x.device, x.dtype) == "triton"
+    quantise-dequantise (``act="mxfp8"``)."""
+    return quant.mxfp8_qdq(x) if act == "mxfp8" else x
 
 
 def gemm_fp8(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    act: str = "bf16",
 ) -> torch.Tensor:
     """``x @ W.T`` for an FP8 block-scaled ``W``: accumulated in ``acc_dtype(x.dtype)``,
     rounded once to ``out_dtype`` (default ``x.dtype``), as ``ops.numerics.gemm``."""
     rows, cols = weight.shape
-    if use_gemm_kernels(x):
-        from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm
-
-        y = fp8_block_gemm(x.reshape(-1, cols), weight, scale, envs.gemm_activations(), out_dtype or x.dtype)
-        return y.view(*x.shape[:-1], rows)
-    x = gemm_input(x)
+    x = _gemm_input(x, act)
 
     def decode(lo, hi, dtype):
         return decode_fp8_block(weight[lo:hi], scale[lo // FP8_TILE : -(-hi // FP8_TILE)], dtype)
@@ -140,40 +141,35 @@ def gemm_fp8(
 
 
 def gemm_fp8_grouped(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    act: str = "bf16",
 ) -> torch.Tensor:
     """Block-diagonal ``gemm_fp8``: ``x [T, G, K]``, group ``g`` times rows ``g*N/G ...`` of
-    ``W [N, K]`` -> ``[T, G, N/G]``. One launch on the GEMM kernels; a loop over the
-    groups on the reference."""
-    T, groups, cols = x.shape
+    ``W [N, K]`` -> ``[T, G, N/G]``, a loop over the groups."""
+    T, groups, _ = x.shape
     rows = weight.shape[0] // groups
-    if use_gemm_kernels(x):
-        from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm
-
-        y = fp8_block_gemm(
-            x.reshape(T, groups * cols),
-            weight,
-            scale,
-            envs.gemm_activations(),
-            out_dtype or x.dtype,
-            groups=groups,
-        )
-        return y.view(T, groups, rows)
     out = torch.empty(T, groups, rows, dtype=out_dtype or x.dtype, device=x.device)
     for g in range(groups):
         lo = g * rows
         out[:, g] = gemm_fp8(
-            x[:, g], weight[lo : lo + rows], scale[lo // FP8_TILE : (lo + rows) // FP8_TILE], out_dtype
+            x[:, g], weight[lo : lo + rows], scale[lo // FP8_TILE : (lo + rows) // FP8_TILE], out_dtype, act
         )
     return out
 
 
 def gemm_fp4(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    act: str = "bf16",
 ) -> torch.Tensor:
     """``x @ W.T`` for a routed expert's packed E2M1 ``W`` (UE8M0 per 1x32), same rules."""
     rows, cols = weight.shape[0], 2 * weight.shape[1]
-    x = gemm_input(x)
+    x = _gemm_input(x, act)
 
     def decode(lo, hi, dtype):
         return decode_fp4_rows(weight[lo:hi], scale[lo:hi], dtype)
@@ -189,3 +185,66 @@ def gemm_stored(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | 
         return decode_stored(weight[lo:hi], dtype)
 
     return _gemm_blocks(x, rows, cols, 1, decode, out_dtype or x.dtype)
+
+
+class _ActivationsGemm(KernelOp):
+    """A weight GEMM whose activations follow ``DEEPINFER_GEMM_ACTIVATIONS`` (read when built)."""
+
+    family = "gemm"
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self.act = envs.gemm_activations()
+
+
+class Fp8BlockGemm(_ActivationsGemm):
+    """``gemm_fp8(x, weight, scale, out_dtype)``: the reference or the Triton kernel."""
+
+    name = "fp8_block_gemm"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.fp8_gemm"}
+
+    def forward_native(self, x, weight, scale, out_dtype=None):
+        return gemm_fp8(x, weight, scale, out_dtype, self.act)
+
+    def forward_triton(self, x, weight, scale, out_dtype=None):
+        rows, cols = weight.shape
+        y = self.kernels.fp8_block_gemm(x.reshape(-1, cols), weight, scale, self.act, out_dtype or x.dtype)
+        return y.view(*x.shape[:-1], rows)
+
+
+class Fp8GroupedGemm(_ActivationsGemm):
+    """``gemm_fp8_grouped(x, weight, scale, out_dtype)`` (the attention's grouped output
+    projection): a loop over the groups, or one launch of the Triton kernel."""
+
+    name = "fp8_grouped_gemm"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.fp8_gemm"}
+
+    def forward_native(self, x, weight, scale, out_dtype=None):
+        return gemm_fp8_grouped(x, weight, scale, out_dtype, self.act)
+
+    def forward_triton(self, x, weight, scale, out_dtype=None):
+        T, groups, cols = x.shape
+        y = self.kernels.fp8_block_gemm(
+            x.reshape(T, groups * cols), weight, scale, self.act, out_dtype or x.dtype, groups=groups
+        )
+        return y.view(T, groups, weight.shape[0] // groups)
+
+
+class Fp4RowsGemm(_ActivationsGemm):
+    """``gemm_fp4(x, weight, scale, out_dtype)``: one routed expert at a time (the reference;
+    the grouped expert GEMM is ``ops.moe.GroupedExpertGemm``)."""
+
+    name = "fp4_rows_gemm"
+
+    def forward_native(self, x, weight, scale, out_dtype=None):
+        return gemm_fp4(x, weight, scale, out_dtype, self.act)
+
+
+class StoredGemm(KernelOp):
+    """``gemm_stored(x, weight, out_dtype)``: bf16 / fp32 weights (the reference)."""
+
+    name = "stored_gemm"
+    family = "gemm"
+
+    def forward_native(self, x, weight, out_dtype=None):
+        return gemm_stored(x, weight, out_dtype)

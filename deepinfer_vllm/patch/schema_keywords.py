@@ -6,8 +6,9 @@ keywords it drops, logging at most a warning on the engine's stderr, and the
 answer then need not satisfy the schema (``uniqueItems: true`` gave ``[1, 1, 2]``;
 a ``format: "email"`` string lost its ``maxLength`` and ran to ``max_tokens``).
 ``unenforced(schema)`` lists each such keyword with its JSON path, so that V4.1
-requests carrying one are refused with a 400 instead (``structured_outputs`` for
-``response_format``/``structured_outputs``, ``tool_parser`` for tool parameters).
+requests carrying one are refused with a 400 instead (``patch.structured_outputs`` for
+``response_format``/``structured_outputs``, ``entrypoints.tool_parser`` for tool
+parameters). It is the catalogue of that correction, not a correction of its own.
 
 What xgrammar 0.2.8 does: read in its converter's source (``SchemaParser::Parse`` and
 the ``Parse*`` methods of upstream ``cpp/json_schema_converter.cc``; the wheel ships
@@ -488,9 +489,7 @@ class _Checker:
                 self.problem(
                     key, path, f"xgrammar enforces required names listed in `properties` only: {missing}"
                 )
-        elif key in ("uniqueItems", "contains", "minContains", "maxContains", "additionalItems"):
-            self.problem(key, path, "xgrammar ignores it")
-        elif key in ("dependentRequired", "dependentSchemas", "dependencies"):
+        elif key in ("uniqueItems", "contains", "minContains", "maxContains", "additionalItems") or key in ("dependentRequired", "dependentSchemas", "dependencies"):
             self.problem(key, path, "xgrammar ignores it")
         # minimum/maximum/exclusive*, minItems/maxItems, min/maxProperties, pattern: enforced
 

@@ -26,7 +26,7 @@ SUPPORTED_METHODS = ("dspark",)
 @dataclass(frozen=True)
 class DSparkSettings:
     num_speculative_tokens: int  # k: drafts per step (1 .. dspark_block_size)
-    adaptive: bool  # confidence-scheduled verification (deepinfer-design §2.5)
+    adaptive: bool  # confidence-scheduled verification (docs/design-notes.md, "Adaptive verification")
 
 
 def dspark_settings(vllm_config) -> DSparkSettings | None:
@@ -59,7 +59,7 @@ def configure_dspark(vllm_config, arch: V41Arch, checkpoint_names: set[str] | No
         if existing is None:
             raise ValueError("speculative_config: our proposer class was named without DSpark settings")
         return existing  # already configured (the config is being re-validated)
-    if not arch.num_mtp_layers:
+    if not arch.num_dspark_layers:
         raise ValueError(
             "speculative_config.method='dspark': this checkpoint's config has no DSpark stages "
             "(text_config.num_nextn_predict_layers = 0)"
@@ -70,10 +70,11 @@ def configure_dspark(vllm_config, arch: V41Arch, checkpoint_names: set[str] | No
             "it was exported without its draft"
         )
     k = spec.num_speculative_tokens
-    env_k = envs.nextn_decode()
+    env_k = envs.dspark_drafts()
+    env_name = envs.setting_source("DEEPINFER_DSPARK_DRAFTS")
     if env_k == 0:
         raise ValueError(
-            "speculative_config.method='dspark' but DEEPINFER_USE_NEXTN_DECODE=0 switches DSpark off; "
+            f"speculative_config.method='dspark' but {env_name}=0 switches DSpark off; "
             "unset one of them"
         )
     if env_k is not None and k == arch.dspark_block_size:
@@ -82,7 +83,7 @@ def configure_dspark(vllm_config, arch: V41Arch, checkpoint_names: set[str] | No
     if not 1 <= k <= arch.dspark_block_size:
         raise ValueError(
             f"speculative_config.num_speculative_tokens={k}"
-            + (" (from DEEPINFER_USE_NEXTN_DECODE)" if env_k is not None and k == env_k else "")
+            + (f" (from {env_name})" if env_k is not None and k == env_k else "")
             + f": DSpark drafts 1 to dspark_block_size ({arch.dspark_block_size}) tokens per step "
             "for this checkpoint"
         )

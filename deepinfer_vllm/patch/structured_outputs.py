@@ -1,7 +1,9 @@
-"""Grammars that always produce valid output, on vLLM's default backend (xgrammar).
+"""vLLM's structured outputs for V4.1: JSON grammars that always give valid JSON, on xgrammar.
 
-xgrammar 0.2.8 compiles JSON schemas with two gaps that a weak or random model
-walks into (the JSON then fails ``json.loads``, or never ends):
+**vLLM behaviour (0.32).** ``vllm/v1/structured_output/backend_xgrammar.py``:
+``XgrammarBackend`` hands JSON schemas and structural tags to xgrammar 0.2.8's
+``GrammarCompiler`` as they are, and xgrammar compiles them with two gaps that a
+weak or random model walks into (the JSON then fails ``json.loads``, or never ends):
 
 * a string with ``minLength``/``maxLength`` becomes ``[^"\\\\\\r\\n]{m,M}``, which
   admits the control characters U+0000-U+001F that JSON forbids raw in strings
@@ -9,28 +11,42 @@ walks into (the JSON then fails ``json.loads``, or never ends):
 * with vLLM's default ``any_whitespace``, whitespace between tokens is
   ``[ \\n\\r\\t]*``, unbounded.
 
-For V4.1 models, the plugin wraps the compiler of vLLM's xgrammar backend
-(``XgrammarBackend.compiler``) in ``BoundedGrammarCompiler``: in the grammar
-(never in the request's schema, which outputs are validated against), such a
-string takes the equivalent pattern ``^[^"\\\\\\x00-\\x1f]{m,M}$``, and every
-whitespace run is bounded by ``DEEPINFER_GRAMMAR_MAX_WHITESPACE``. JSON requests
-(``response_format`` ``json_schema``/``json_object``) and the JSON schemas inside
-structural tags (tool-call arguments) both go through it. Escapes stay out of
-bounded strings, as in xgrammar's own bounded strings.
+``vllm/sampling_params.py``: ``SamplingParams._validate_structured_outputs`` (the
+front end's check of a request) accepts JSON schemas whose keywords xgrammar drops
+(``uniqueItems``, length bounds next to ``pattern``/``format``, ...: listed by
+``schema_keywords``), and under the ``auto`` backend picks a backend per request,
+handing such schemas to guidance. But the engine builds one backend, for the first
+structured request (``StructuredOutputManager.grammar_init``), and compiles every
+later request with it: a schema sent to "guidance" was compiled by xgrammar whenever
+a tool call or an xgrammar-enforceable schema came first (how ``format: "email"``
+with ``maxLength`` lost its bound), and a guidance-first engine would refuse V4.1's
+tool-call structural tags.
 
-xgrammar also drops some keywords outright (``uniqueItems``, length bounds next to
-``pattern``/``format``, ...: ``schema_keywords``). For V4.1 models under the
-``auto`` or ``xgrammar`` backend, the plugin checks each request's JSON schema where
-vLLM validates it (``SamplingParams.verify``, in the front end): a keyword xgrammar
-would ignore is a 400 naming the keyword and its JSON path, and so are the JSON
-schemas inside a structural tag (tool-call arguments, a ``response_format`` joined
-to tool calls). Such a schema is never handed to guidance instead: vLLM's ``auto``
-picks a backend per request in the front end, but its engine builds one backend, for
-the first structured request, and compiles every later request with it. A schema
-sent to "guidance" was therefore compiled by xgrammar whenever a tool call or an
-xgrammar-enforceable schema came first (how ``format: "email"`` with ``maxLength``
-lost its bound), and a guidance-first engine would refuse V4.1's tool-call
-structural tags. What vLLM accepts of V4.1's JSON schemas and tags goes to xgrammar.
+**What the patch does, for V4.1 models only** (other models keep vLLM's behaviour):
+
+* ``XgrammarBackend.__post_init__`` wraps the backend's compiler in
+  ``BoundedGrammarCompiler``: in the grammar (never in the request's schema, which
+  outputs are validated against), a length-bounded string takes the equivalent pattern
+  ``^[^"\\\\\\x00-\\x1f]{m,M}$``, and every whitespace run is bounded by
+  ``DEEPINFER_GRAMMAR_MAX_WHITESPACE``. JSON requests (``response_format``
+  ``json_schema``/``json_object``) and the JSON schemas inside structural tags
+  (tool-call arguments) both go through it. Escapes stay out of bounded strings, as in
+  xgrammar's own bounded strings.
+* ``SamplingParams._validate_structured_outputs``, under the ``auto`` or ``xgrammar``
+  backend: a keyword xgrammar would ignore is a 400 naming the keyword and its JSON
+  path, in the request's JSON schema and in those inside a structural tag (tool-call
+  arguments, a ``response_format`` joined to tool calls); a schema ``auto`` would hand
+  to guidance stays on xgrammar (a 400 when xgrammar cannot compile it).
+
+**Applied** by ``apply()``, from ``entrypoints.install()`` (the plugin entry point
+``deepinfer_vllm.register``), in every process: the wrapped validation runs in the API
+server, the wrapped backend in the engine core.
+
+**Removable** when xgrammar keeps control characters out of bounded strings and caps
+whitespace by default, refuses (or enforces) the keywords it ignores today, and vLLM's
+engine compiles each request with the backend its front end chose.
+``tests/patch/test_structured_outputs.py`` checks each of these vLLM and xgrammar
+behaviours on the installed versions.
 """
 
 from __future__ import annotations
@@ -53,7 +69,7 @@ def bounded_string_pattern(min_length: int, max_length: int | None) -> str:
     """The JSON-string pattern of ``min_length <= len <= max_length`` characters, none
     of them a quote, a backslash or a control character."""
     upper = "" if max_length is None else str(max_length)
-    return '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (min_length, upper)
+    return f'^[^"\\\\\\x00-\\x1f]{{{min_length},{upper}}}$'
 
 
 def grammar_schema(schema: Any) -> Any:
@@ -125,7 +141,7 @@ def unenforced_keyword_error(structured_outputs: Any) -> Exception | None:
     or ``None`` when there are none."""
     from vllm.exceptions import VLLMValidationError
 
-    from deepinfer_vllm.entrypoints.schema_keywords import describe, json_schemas_in_tag, unenforced
+    from deepinfer_vllm.patch.schema_keywords import describe, json_schemas_in_tag, unenforced
 
     found = []
     try:
@@ -224,10 +240,10 @@ def _install_keyword_check() -> None:
     SamplingParams._deepinfer_keyword_check = True
 
 
-def install() -> None:
-    """Wrap the compiler of every xgrammar backend vLLM builds for a V4.1 model (once
-    per process; other models keep vLLM's compiler), and check V4.1 requests' JSON
-    schemas for keywords xgrammar would ignore."""
+def apply() -> None:
+    """Wrap the compiler of every xgrammar backend vLLM builds for a V4.1 model (other
+    models keep vLLM's compiler), and check V4.1 requests' JSON schemas for keywords
+    xgrammar would ignore (module docstring). Idempotent."""
     _install_keyword_check()
     from vllm.v1.structured_output import backend_xgrammar
 
