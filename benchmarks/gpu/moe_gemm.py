@@ -9,6 +9,13 @@ GEMMs: w13 (N = 2 * 2304 = 4608, K = 5120) and w2 (N = 5120, K = 2304).
     bf16 matmul ceilings of the run.
   * a tile sweep (act=bf16) on w13 at 1, 64 and 8192 tokens (``GEMM_SWEEP=0`` skips it).
 act="mxfp8" rows include the Triton activation quantiser.
+
+``python benchmarks/gpu/moe_gemm.py --gemv``: the decode comparison only (issue 34): at
+1 / 4 / 16 / 64 / 256 tokens, w13 and w2, today's ``grouped_fp4_gemm`` beside the decode GEMV
+``ops/triton/moe_gemv.grouped_fp4_gemv`` (default config, both acts, then on w13 at 1 / 64 / 256 tokens a config
+sweep unless ``GEMV_SWEEP=0``) and a plain reader of the same expert bytes (``read experts``: one program per
+16 KB of each touched expert's packed weight and scales, XOR-reduced). Same timing as every row
+(CUDA graph, L2 flushed before each call), same byte count, % of copy.
 """
 
 from __future__ import annotations
@@ -17,12 +24,15 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops import quant  # noqa: E402
 from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm  # noqa: E402
+from deepinfer_vllm.ops.triton.moe_gemv import grouped_fp4_gemv  # noqa: E402
 
 EXPERTS, LOCAL, TOP_K = 384, 48, 6
 GEMMS = [("w13", 4608, 5120), ("w2", 5120, 2304)]
@@ -110,5 +120,85 @@ def run(ceilings: Ceilings) -> list[Row]:
     return rows
 
 
+GEMV_TOKENS = (1, 4, 16, 64, 256)
+SWEEP_GEMV = [  # each changes one or two keys of gemv_config's choice
+    dict(PPS=2),
+    dict(PPS=4),
+    dict(STAGES=3),
+    dict(STAGES=6),
+    dict(VEC=8),
+    dict(VEC=16),
+    dict(BN=16, STAGES=6),
+    dict(num_warps=8),
+    dict(maxnreg=128),
+    dict(ROWS=4),
+    dict(DOT=True, BN=64, NB=4),
+]
+
+
+@triton.jit
+def _read_experts(w_ptr, s_ptr, ids_ptr, out_ptr, WN, SN, BLOCK: tl.constexpr):
+    """XOR of ``BLOCK`` words of expert ``ids[j]``'s packed weight (and of its scales)."""
+    c = tl.program_id(0)
+    j = tl.program_id(1)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    i = c * BLOCK + tl.arange(0, BLOCK)
+    v = tl.xor_sum(tl.load(w_ptr + e * WN + i, mask=i < WN, other=0), 0)
+    v ^= tl.xor_sum(tl.load(s_ptr + e * SN + i, mask=i < SN, other=0), 0)
+    tl.store(out_ptr + j * tl.num_programs(0) + c, v)
+
+
+def _read_launcher(w: torch.Tensor, s: torch.Tensor, offs: torch.Tensor):
+    """A plain reader of the packed weight and scale bytes of the experts with rows."""
+    wi = w.view(torch.int32).reshape(w.shape[0], -1)
+    si = s.view(torch.uint8).reshape(s.shape[0], -1).view(torch.int32)
+    ids = torch.nonzero(torch.diff(offs.long()) > 0).flatten().to(torch.int32)
+    block = 4096  # 16 KB per program
+    grid = (triton.cdiv(wi.shape[1], block), ids.numel())
+    out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=w.device)
+    return lambda: _read_experts[grid](wi, si, ids, out, wi.shape[1], si.shape[1], BLOCK=block, num_warps=4)
+
+
+def run_gemv(ceilings: Ceilings):
+    """Decode: today's kernel, the GEMV (default, then the sweep) and the plain reader. A
+    generator: each row is printed as soon as it is measured."""
+    torch.manual_seed(0)
+    sweep = os.environ.get("GEMV_SWEEP", "1") == "1"
+    for name, n, k in GEMMS:
+        w, s = experts(n, k)
+        for tokens in GEMV_TOKENS:
+            offs, r, touched = routing(tokens, seed=tokens)
+            x = torch.randn(r, k, device="cuda").to(torch.bfloat16)
+            nbytes = touched * (n * k // 2 + n * k // 32) + r * k * 2 + r * n * 2
+            shape = f"T={tokens} rows={r} experts={touched}/{LOCAL}"
+            cases = [
+                ("grouped_fp4_gemm", "bf16", None, grouped_fp4_gemm),
+                ("grouped_fp4_gemv", "bf16", None, grouped_fp4_gemv),
+                ("grouped_fp4_gemv", "mxfp8", None, grouped_fp4_gemv),
+            ]
+            if sweep and name == "w13" and tokens in (1, 64, 256):
+                cases += [("sweep grouped_fp4_gemv", "bf16", c, grouped_fp4_gemv) for c in SWEEP_GEMV]
+            base = float("nan")
+            for label, act, cfg, fn in cases:
+                try:
+                    t = time_s(lambda fn=fn, act=act, cfg=cfg: fn(x, offs, w, s, act, config=cfg))  # noqa: B023
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"# {label} {name} {shape} {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                if fn is grouped_fp4_gemm:
+                    base = t
+                yield Row(
+                    kernel=f"{label} {name} act={act}",
+                    shape=shape + (f" {_cfg_name(cfg)}" if cfg else ""),
+                    seconds=t,
+                    bytes=nbytes,
+                    flops=2 * r * n * k,
+                    baseline="" if fn is grouped_fp4_gemm else "gemm bf16",
+                    baseline_seconds=base,
+                )
+            t = time_s(_read_launcher(w, s, offs))
+            yield Row(kernel=f"read experts {name}", shape=shape, seconds=t, bytes=nbytes)
+
+
 if __name__ == "__main__":
-    print_module(run)
+    print_module(run_gemv if "--gemv" in sys.argv[1:] else run)

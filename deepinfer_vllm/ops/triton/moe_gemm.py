@@ -43,7 +43,7 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
     weight_bytes,
 )
 
-__all__ = ["grouped_fp4_gemm", "moe_config"]
+__all__ = ["check_grouped_args", "grouped_fp4_gemm", "moe_config"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Programs along the row tiles: about this many per SM over the whole grid (at least one row
@@ -212,6 +212,33 @@ def moe_config(r: int, e_count: int, n: int, k: int, sms: int = 132) -> dict:
     return cfg
 
 
+def check_grouped_args(
+    x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act: str
+) -> None:
+    """The arguments of a grouped FP4 GEMM (this module's and ``moe_gemv``'s), checked from
+    shapes and dtypes only (the offsets' values are not read: that would synchronise)."""
+    if act not in ACT_MODES:
+        raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != 2 * weight.shape[2]:
+        raise ValueError(
+            f"x [R, K] and weight [E, N, K/2] expected, got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    e_count, n, _ = weight.shape
+    k = x.shape[1]
+    if k % 32 or n % 32:
+        raise ValueError(f"N and K must be multiples of 32, got N={n}, K={k}")
+    if tuple(scale.shape) != (e_count, n, k // 32):
+        raise ValueError(f"scale must be [{e_count}, {n}, {k // 32}], got {tuple(scale.shape)}")
+    if tuple(expert_offsets.shape) != (e_count + 1,) or expert_offsets.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise ValueError(
+            f"expert_offsets must be int32/int64 [{e_count + 1}], "
+            f"got {expert_offsets.dtype} {tuple(expert_offsets.shape)}"
+        )
+
+
 def grouped_fp4_gemm(
     x: torch.Tensor,
     expert_offsets: torch.Tensor,
@@ -227,26 +254,9 @@ def grouped_fp4_gemm(
     [E, N, K/32]`` UE8M0); zeros past ``expert_offsets[-1]``. ``expert_offsets`` int32/int64
     ``[E+1]`` on x's device, ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R`` (not
     checked: that would synchronise). ``config`` overrides the tile choice (tests, benchmarks)."""
-    if act not in ACT_MODES:
-        raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
-    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != 2 * weight.shape[2]:
-        raise ValueError(
-            f"x [R, K] and weight [E, N, K/2] expected, got {tuple(x.shape)}, {tuple(weight.shape)}"
-        )
     e_count, n, kh = weight.shape
     r, k = x.shape
-    if k % 32 or n % 32:
-        raise ValueError(f"N and K must be multiples of 32, got N={n}, K={k}")
-    if tuple(scale.shape) != (e_count, n, k // 32):
-        raise ValueError(f"scale must be [{e_count}, {n}, {k // 32}], got {tuple(scale.shape)}")
-    if tuple(expert_offsets.shape) != (e_count + 1,) or expert_offsets.dtype not in (
-        torch.int32,
-        torch.int64,
-    ):
-        raise ValueError(
-            f"expert_offsets must be int32/int64 [{e_count + 1}], "
-            f"got {expert_offsets.dtype} {tuple(expert_offsets.shape)}"
-        )
+    check_grouped_args(x, expert_offsets, weight, scale, act)
     out = gemm_output(x, r, n, out_dtype)
     out_dtype = out.dtype
     if r == 0:
