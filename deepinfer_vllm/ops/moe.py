@@ -24,11 +24,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from deepinfer_vllm import envs
-
 from . import quant_gemm
-from .dispatch import KernelOp
 from .numerics import acc_dtype, gemm, matmul, pointwise
+from .weight_gemm import ActivationsGemm
 
 __all__ = [
     "GroupedExpertGemm",
@@ -205,7 +203,7 @@ def moe_forward(
     return acc.to(x.dtype)
 
 
-class GroupedExpertGemm(KernelOp):
+class GroupedExpertGemm(ActivationsGemm):
     """The routed experts' grouped packed-E2M1 GEMM, ``grouped_fp4_gemm(x, offsets, weight,
     scale, out_dtype)``: rows ``offsets[e]:offsets[e+1]`` of ``x`` times expert ``e``'s
     weight, zeros past ``offsets[-1]``. The reference (``ops.quant_gemm``, which reads the
@@ -213,12 +211,7 @@ class GroupedExpertGemm(KernelOp):
     synchronisation). Activations as ``DEEPINFER_GEMM_ACTIVATIONS`` says, read when built."""
 
     name = "moe_grouped_gemm"
-    family = "gemm"
     kernel_modules = {"triton": "deepinfer_vllm.ops.triton.moe_gemm"}
-
-    def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__(device, dtype)
-        self.act = envs.gemm_activations()
 
     def forward_native(self, x, offsets, weight, scale, out_dtype=None):
         return quant_gemm.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)

@@ -32,6 +32,7 @@ from .numerics import acc_dtype, matmul
 
 __all__ = [
     "FP8_TILE",
+    "ActivationsGemm",
     "WORKSPACE_ELEMENTS",
     "Fp4RowsGemm",
     "Fp8BlockGemm",
@@ -187,8 +188,9 @@ def gemm_stored(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | 
     return _gemm_blocks(x, rows, cols, 1, decode, out_dtype or x.dtype)
 
 
-class _ActivationsGemm(KernelOp):
-    """A weight GEMM whose activations follow ``DEEPINFER_GEMM_ACTIVATIONS`` (read when built)."""
+class ActivationsGemm(KernelOp):
+    """A weight GEMM whose activations follow ``DEEPINFER_GEMM_ACTIVATIONS`` (read when built, as
+    ``self.act``): the dense FP8 GEMMs here, the expert GEMMs here and in ``ops.moe``."""
 
     family = "gemm"
 
@@ -197,7 +199,7 @@ class _ActivationsGemm(KernelOp):
         self.act = envs.gemm_activations()
 
 
-class Fp8BlockGemm(_ActivationsGemm):
+class Fp8BlockGemm(ActivationsGemm):
     """``gemm_fp8(x, weight, scale, out_dtype)``: the reference or the Triton kernel."""
 
     name = "fp8_block_gemm"
@@ -212,7 +214,7 @@ class Fp8BlockGemm(_ActivationsGemm):
         return y.view(*x.shape[:-1], rows)
 
 
-class Fp8GroupedGemm(_ActivationsGemm):
+class Fp8GroupedGemm(ActivationsGemm):
     """``gemm_fp8_grouped(x, weight, scale, out_dtype)`` (the attention's grouped output
     projection): a loop over the groups, or one launch of the Triton kernel."""
 
@@ -230,7 +232,7 @@ class Fp8GroupedGemm(_ActivationsGemm):
         return y.view(T, groups, weight.shape[0] // groups)
 
 
-class Fp4RowsGemm(_ActivationsGemm):
+class Fp4RowsGemm(ActivationsGemm):
     """``gemm_fp4(x, weight, scale, out_dtype)``: one routed expert at a time (the reference;
     the grouped expert GEMM is ``ops.moe.GroupedExpertGemm``)."""
 
