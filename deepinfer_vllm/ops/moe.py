@@ -216,5 +216,20 @@ class GroupedExpertGemm(ActivationsGemm):
     def forward_native(self, x, offsets, weight, scale, out_dtype=None):
         return quant_gemm.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)
 
+    def check_scales(self, scale: torch.Tensor, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` when its UE8M0 scale bytes exceed what the chosen
+        kernel decodes exactly (the Triton kernel: ``MAX_SCALE_BYTE``, 2^1); called once per
+        tensor while loading, where the bytes are still on the host."""
+        limit = getattr(self.kernels, "MAX_SCALE_BYTE", None)
+        if limit is None or scale.numel() == 0:
+            return
+        top = int(scale.view(torch.uint8).max())
+        if top > limit:
+            raise ValueError(
+                f"{name}: UE8M0 scale 2^{top - 127} exceeds 2^{limit - 127}, the largest the routed "
+                f"experts' GPU kernel decodes exactly (ops/triton/moe_gemm.py); run this checkpoint "
+                "with DEEPINFER_GEMM_KERNELS=torch"
+            )
+
     def forward_triton(self, x, offsets, weight, scale, out_dtype=None):
         return self.kernels.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)

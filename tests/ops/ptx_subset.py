@@ -3,7 +3,7 @@
 It runs the exact instruction strings of ``ops/triton`` on the CPU, vectorised over torch
 int64 tensors holding bit patterns, so CI checks the kernels' bit tricks against the format
 references without a GPU. Only the instructions those strings use are implemented, with the
-PTX ISA's semantics: 32-bit logic and shifts, ``prmt`` (default mode, sign-replicate bit),
+PTX ISA's semantics: 32-bit logic and shifts, ``mul.lo`` / ``mad.lo`` on u32, ``prmt`` (default mode, sign-replicate bit),
 ``mov`` packing / unpacking, ``cvt`` between e4m3x2 / f16 / f32 / bf16, ``mul.rn`` on f32,
 f16x2 and bf16x2, and for warp-level strings (the last dimension of the inputs is the 32
 lanes of a warp) ``%laneid``, ``setp.ne`` / ``selp``, ``shfl.sync.bfly`` and predicated
@@ -141,6 +141,10 @@ def run_ptx(ptx: str, outputs: int, inputs: list[torch.Tensor],
             r = (x[0] << x[1]) & _M32
         elif op == "shr.b32":
             r = (x[0] & _M32) >> x[1]
+        elif op == "mul.lo.u32":
+            r = ((x[0] & _M32) * (x[1] & _M32)) & _M32
+        elif op == "mad.lo.u32":
+            r = ((x[0] & _M32) * (x[1] & _M32) + (x[2] & _M32)) & _M32
         elif op == "prmt.b32":
             r = _prmt(x[0], x[1], x[2])
         elif op == "cvt.rn.f16x2.e4m3x2":

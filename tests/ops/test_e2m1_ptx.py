@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_vllm.ops.quant import e2m1_decode
-from deepinfer_vllm.ops.triton import e2m1
+from deepinfer_vllm.ops.triton import e2m1, moe_gemm
 from tests.ops.ptx_subset import run_ptx
 
 
@@ -71,3 +71,20 @@ def test_e4m3_lookup_ptx():
             want = want.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
             got = (outs[n // 4] >> (8 * (n % 4))) & 0xFF
             assert torch.equal(got, want), (d, n)
+
+
+def test_expert_bf16_ptx():
+    """The routed-expert GEMM's decode (``moe_gemm._E2M1_BF16_PTX``): four packed bytes and their
+    block's UE8M0 scale byte s -> the eight codes times 2^(s - 127) as bf16, bit for bit, for every
+    pattern of bytes 0-1 (bytes 2-3 random) and every scale byte the kernel takes (0 .. 128)."""
+    x = torch.randint(0, 1 << 32, (1 << 12,), generator=torch.Generator().manual_seed(3), dtype=torch.int64)
+    x = torch.cat([x, torch.arange(1 << 16, dtype=torch.int64) * 0x10001])
+    assert moe_gemm.MAX_SCALE_BYTE == 128
+    for s in [0, 1, 2, 64, 100, 119, 121, 126, 127, 128]:
+        lo01, lo23, hi01, hi23 = run_ptx(moe_gemm._E2M1_BF16_PTX.value, 4, [x, torch.tensor(s)])
+        for out, first, nib in ((lo01, 0, 0), (lo23, 2, 0), (hi01, 0, 4), (hi23, 2, 4)):
+            for half in (0, 1):
+                code = ((x >> (8 * (first + half) + nib)) & 0xF).to(torch.uint8)
+                want = (e2m1_decode(code).double() * 2.0 ** (s - 127)).to(torch.bfloat16)
+                got = ((out >> (16 * half)) & 0xFFFF).to(torch.int16)
+                assert torch.equal(got, want.view(torch.int16)), (s, first, nib, half)

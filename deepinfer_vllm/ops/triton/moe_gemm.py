@@ -12,11 +12,14 @@ tile itself), then tiles zeroing the rows past ``offsets[-1]`` (or the split-K r
 Each output tile is written by one program with the same arithmetic whatever the grid, so the
 numbers do not depend on it. Capturable in a CUDA graph.
 
-Weight codes are widened with integer ops only: code ``s e1 e0 m`` -> byte ``s 0 0 e1 e0 m 0 0``
-is the e4m3 pattern of the code's value times 2^-6 (the 2^6 goes into the scale). On the GPU
-one PTX block does four bytes (eight codes) in 10 instructions; the interpreter does the same
-arithmetic per element. As in ``fp8_gemm``, the weight tile is then decoded to bf16, x is bf16
-or its MXFP8 round trip from ``mxfp8_qdq``, and one bf16 dot runs per K tile.
+Weights are decoded straight to bf16 with integer ops and one bf16 multiply, in registers (no
+fp32 tile): a code ``s e1 e0 m`` placed as the bf16 bits ``s 00000 e1 e0 m 000000`` is the code's
+value times 2^-126 (e = 0 gives a subnormal), and a bf16x2 multiply by 2^(scale - 1) gives the value
+times its UE8M0 scale, exact for scale bytes up to ``MAX_SCALE_BYTE`` (2^1). On the GPU one PTX block
+does four packed bytes (eight codes) and their block scale in 21 instructions; the interpreter does
+the same arithmetic per element. ``x`` is read as int32 pairs and split into its even and odd
+columns, which the low and the high nibbles multiply: two bf16 dots per K tile, no interleave.
+x is bf16 or its MXFP8 round trip from ``mxfp8_qdq``.
 """
 
 from __future__ import annotations
@@ -33,13 +36,11 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
     gemm_activations,
     gemm_output,
     mma_bf16,
-    scale_blocks,
     sm_count,
     split_k,
     splitk_reduce,
     store_out,
     store_tile,
-    ue8m0,
     weight_bytes,
 )
 
@@ -81,6 +82,65 @@ def e2m1_e4m3_x64(packed, BN: tl.constexpr, BKH: tl.constexpr, ASM: tl.constexpr
         c = packed >> 4
         hi = ((c & 7) << 2) | ((c & 8) << 4)
     return tl.reshape(tl.join(lo, hi), [BN, 2 * BKH]).to(tl.float8e4nv, bitcast=True)
+
+
+# $4: 4 packed bytes b0..b3 (8 codes) of one 32-code block, $5: that block's UE8M0 scale s.
+# Out, bf16x2 each: $0 = (b0 lo, b1 lo), $1 = (b2 lo, b3 lo), $2 = (b0 hi, b1 hi), $3 = (b2 hi, b3 hi),
+# every value code * 2^(s - 127). A code ``s e1 e0 m`` placed as the bf16 bits ``s 00000 e1 e0 m 000000``
+# (sign to bit 15, e1 e0 m to bits 8..6: one IMAD places both) is exactly code * 2^-126 (e = 0 gives a
+# subnormal), and one bf16x2 multiply by 2^(s - 1) scales it, exact for s <= 128. 2^(s - 1) in both
+# halves is s * 0x00800080 + 0x3F003F00. 21 instructions for 8 codes.
+_E2M1_BF16_PTX = tl.constexpr("""{
+.reg .b32 t, u, f;
+mad.lo.u32 f, $5, 0x00800080, 0x3F003F00;
+prmt.b32 u, $4, 0, 0x4140;
+and.b32 t, u, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $0, t, f;
+and.b32 t, u, 0x00F000F0;
+mul.lo.u32 t, t, 0x104;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $2, t, f;
+prmt.b32 u, $4, 0, 0x4342;
+and.b32 t, u, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, f;
+and.b32 t, u, 0x00F000F0;
+mul.lo.u32 t, t, 0x104;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $3, t, f;
+}""")
+
+# Largest UE8M0 scale byte the bf16 decode takes (2^(s - 1) must be a normal bf16): 2^1.
+MAX_SCALE_BYTE = 128
+
+
+@triton.jit
+def e2m1_bf16_scaled(packed, s, ASM: tl.constexpr):
+    """Packed codes (uint8, any shape whose last dimension is a multiple of 4) and each byte's block
+    scale byte (int32, same shape) -> ``(lo, hi)`` bf16 of the same shape: the low / high nibble's
+    value times ``2^(s - 127)``, exact (``s <= MAX_SCALE_BYTE``)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_BF16_PTX,
+            "=r,=r,=r,=r,r,r,r,r,r",
+            [packed, s],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        # Same values; the multiply in fp32 (the interpreter's bf16 arithmetic is not IEEE).
+        f = ((s + 126) << 23).to(tl.float32, bitcast=True)
+        c = packed.to(tl.int32)
+        lo = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * f
+        c = c >> 4
+        hi = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * f
+        lo = lo.to(tl.bfloat16)
+        hi = hi.to(tl.bfloat16)
+    return lo, hi
 
 
 @triton.jit
@@ -134,23 +194,82 @@ def _moe_gemm_kernel(
     end = tl.minimum(end, ROW_TILES)
     for t in range(pid_m, end, grid_m):
         _moe_tile(
-            x_ptr, w_ptr, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_xm,
-            stride_we, stride_wn, stride_wse, stride_wsn, stride_om, k_per_split,
-            t, total, eidx, lo, hi, nblk, cum, offs_n, n_mask, pid_k,
-            BM, BN, BK, SPLIT, OUT_KIND, ASM, F32_DOT,
+            x_ptr,
+            w_ptr,
+            ws_ptr,
+            off_ptr,
+            out_ptr,
+            R,
+            N,
+            K,
+            E,
+            stride_xm,
+            stride_we,
+            stride_wn,
+            stride_wse,
+            stride_wsn,
+            stride_om,
+            k_per_split,
+            t,
+            total,
+            eidx,
+            lo,
+            hi,
+            nblk,
+            cum,
+            offs_n,
+            n_mask,
+            pid_k,
+            BM,
+            BN,
+            BK,
+            SPLIT,
+            OUT_KIND,
+            ASM,
+            F32_DOT,
         )
 
 
 @triton.jit
 def _moe_tile(
-    x_ptr, w_ptr, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_xm,
-    stride_we, stride_wn, stride_wse, stride_wsn, stride_om, k_per_split,
-    t, total, eidx, lo, hi, nblk, cum, offs_n, n_mask, pid_k,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-    OUT_KIND: tl.constexpr, ASM: tl.constexpr, F32_DOT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    off_ptr,
+    out_ptr,
+    R,
+    N,
+    K,
+    E,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_om,
+    k_per_split,
+    t,
+    total,
+    eidx,
+    lo,
+    hi,
+    nblk,
+    cum,
+    offs_n,
+    n_mask,
+    pid_k,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    ASM: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):
     """Row tile ``t``: expert tile ``t`` when ``t < total``, else (SPLIT == 1) zeros for row
     tile ``t - total`` past offsets[E]."""
+    BKH: tl.constexpr = BK // 2
+    NB: tl.constexpr = BK // 32  # scale blocks per K tile: one int8 / int16 / int32 word per row
     if t < total:
         e = tl.sum((cum <= t).to(tl.int32), 0)
         sel = eidx == e
@@ -159,25 +278,35 @@ def _moe_tile(
         offs_m = row0 + tl.arange(0, BM)
         m_mask = offs_m < row_end
         w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        ws_rows = ws_ptr + e.to(tl.int64) * stride_wse + offs_n.to(tl.int64) * stride_wsn
-        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        ws_rows = ws_ptr + e.to(tl.int64) * stride_wse + offs_n.to(tl.int64)[:, None] * stride_wsn
+        # x as int32 pairs: bf16 x[2j] in the low half, x[2j + 1] in the high half (packed byte j's
+        # low and high nibble), so the low nibbles multiply the even columns and the high ones the odd.
+        x_rows = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_m.to(tl.int64)[:, None] * (
+            stride_xm // 2
+        )
+        c = tl.arange(0, BKH)
+        shift = (8 * (c // 16))[None, :]  # a byte's block scale within the row's NB scale bytes
+        if NB == 4:
+            word_ty: tl.constexpr = tl.pointer_type(tl.int32)
+        elif NB == 2:
+            word_ty: tl.constexpr = tl.pointer_type(tl.int16)
+        else:
+            word_ty: tl.constexpr = tl.pointer_type(tl.int8)
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         acc = tl.zeros([BN, BM], tl.float32)
+        # K tiles never straddle k_hi: K and k_per_split are multiples of BK (grouped_fp4_gemm).
         for k0 in range(k_lo, k_hi, BK):
-            kh = k0 // 2 + tl.arange(0, BK // 2)
-            kc = k0 // 32 + tl.arange(0, BK // 32)
-            cmask = kc * 32 < k_hi
-            p = tl.load(w_rows + kh[None, :], mask=n_mask[:, None] & (kh * 2 < k_hi)[None, :], other=0)
-            sw = ue8m0(
-                tl.load(ws_rows[:, None] + kc[None, :], mask=n_mask[:, None] & cmask[None, :], other=0), 6
-            )
-            w = e2m1_e4m3_x64(p, BN, BK // 2, ASM).to(tl.float32)
-            w = scale_blocks(w, sw, BN, BK)
-            kk = k0 + tl.arange(0, BK)
-            kmask = kk < k_hi
-            xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
-            acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
+            kh = k0 // 2 + c
+            p = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
+            sw = tl.load((ws_rows + k0 // 32).to(word_ty, bitcast=True), mask=n_mask[:, None], other=0)
+            sb = (sw.to(tl.int32) >> shift) & 0xFF
+            wl, wh = e2m1_bf16_scaled(p, sb, ASM)
+            xp = tl.load(x_rows + kh[None, :], mask=m_mask[:, None], other=0)
+            xe = (xp & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            xo = (xp >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            acc = mma_bf16(wl, tl.trans(xe), acc, F32_DOT)
+            acc = mma_bf16(wh, tl.trans(xo), acc, F32_DOT)
         omask = n_mask[:, None] & m_mask[None, :]
         store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, R, N, stride_om, SPLIT, OUT_KIND)
     elif SPLIT == 1:
@@ -197,19 +326,27 @@ def moe_config(r: int, e_count: int, n: int, k: int, sms: int = 132) -> dict:
     fewer than two programs per SM would have work (at most min(R, E) row tiles do)."""
     mean_rows = triton.cdiv(r, e_count)
     if mean_rows <= 16:
-        cfg = dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4)
+        cfg = {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
     elif mean_rows <= 64:
-        cfg = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
+        cfg = {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
     else:
-        cfg = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3)
-    if k % cfg["BK"]:
-        cfg["BK"] = 32 if k % 64 else 64
+        cfg = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 3}
+    cfg["BK"] = tile_k(k, cfg["BK"])
     tiles = min(r, e_count) * triton.cdiv(mean_rows, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
     split = 1
     while tiles * split < 2 * sms and split * 2 <= min(8, triton.cdiv(k, cfg["BK"]) // 2):
         split *= 2
     cfg["SPLIT"] = split
     return cfg
+
+
+def tile_k(k: int, bk: int) -> int:
+    """The K tile: ``bk`` capped at 128 (a row's scale bytes of one tile are read as one word of
+    at most 32 bits) and halved until it divides ``k`` (a multiple of 32)."""
+    bk = min(bk, 128)
+    while k % bk:
+        bk //= 2
+    return bk
 
 
 def check_grouped_args(
@@ -254,7 +391,7 @@ def grouped_fp4_gemm(
     [E, N, K/32]`` UE8M0); zeros past ``expert_offsets[-1]``. ``expert_offsets`` int32/int64
     ``[E+1]`` on x's device, ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R`` (not
     checked: that would synchronise). ``config`` overrides the tile choice (tests, benchmarks)."""
-    e_count, n, kh = weight.shape
+    e_count, n, _ = weight.shape
     r, k = x.shape
     check_grouped_args(x, expert_offsets, weight, scale, act)
     out = gemm_output(x, r, n, out_dtype)
@@ -263,9 +400,9 @@ def grouped_fp4_gemm(
         return out
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
-    cfg, split, k_per_split = split_k(
-        dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device)), k
-    )
+    cfg = dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device))
+    cfg["BK"] = tile_k(k, cfg["BK"])
+    cfg, split, k_per_split = split_k(cfg, k)
     kind = _OUT_KIND[out_dtype]
     offs = expert_offsets if expert_offsets.is_contiguous() else expert_offsets.contiguous()
     target = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
