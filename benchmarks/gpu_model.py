@@ -111,9 +111,9 @@ class RoutingProbe:
         self.experts, self.ids = experts, None
         plain = experts.partial
 
-        def partial(x, weights, ids, limit, grouped=None):
+        def partial(x, weights, ids, limit, *args, **kwargs):
             self.ids = ids.detach().clone()
-            return plain(x, weights, ids, limit, grouped)
+            return plain(x, weights, ids, limit, *args, **kwargs)
 
         experts.partial = partial
 

@@ -182,3 +182,20 @@ def test_the_checker_sees_a_climb_and_a_cycle():
     graph_modules = set(GRAPH)
     assert f"{PACKAGE}.configs.checkpoint" in graph_modules
     assert f"{PACKAGE}.configs" in GRAPH[f"{PACKAGE}.configs.checkpoint"]
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (the tests folders are not packages): two files of
+    one name in different folders of one suite make it fail to collect one of them. The
+    device-only suites (``tests/gpu``, ``tests/gpu_model``, ``tests/npu``) run on their own."""
+    root = Path(__file__).resolve().parent
+    device_only = {"gpu", "gpu_model", "npu"}
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(root.rglob("test_*.py")):
+        if path.relative_to(root).parts[0] in device_only:
+            continue
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(root)} and {path.relative_to(root)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, clashes

@@ -147,6 +147,7 @@ def test_v1_runner_speculative_hooks_dspark_relies_on():
     source = inspect.getsource(GPUModelRunner)
     for name in ("self._draft_probs", "self._draft_prob_req_ids", "def _get_spec_decode_draft_probs",
                  "def _build_attention_metadata", "def _model_forward", "def _dummy_run",
+                 "def _input_fits_in_drafter",
                  'spec_config.method == "custom_class"'):
         assert name in source, name
     # Why the platform rewrites the method: V1 refuses DSpark and adaptive verification itself.

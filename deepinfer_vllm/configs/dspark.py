@@ -8,7 +8,9 @@ platform. The platform therefore records the validated settings in
 ``additional_config["deepinfer_dspark"]`` and hands vLLM's V1 runner our
 proposer through vLLM's documented extension point for proposers
 (``method="custom_class"``, ``model=<proposer class path>``); the scheduler,
-rejection sampler and spec-decode metrics are vLLM's own.
+rejection sampler and spec-decode metrics are vLLM's own. Any parallel layout the
+model runs takes DSpark too: with data parallelism every rank takes part in each
+draft step's MoE (``spec_decode.proposer``).
 """
 
 from __future__ import annotations
@@ -86,12 +88,6 @@ def configure_dspark(vllm_config, arch: V41Arch, checkpoint_names: set[str] | No
             + (f" (from {env_name})" if env_k is not None and k == env_k else "")
             + f": DSpark drafts 1 to dspark_block_size ({arch.dspark_block_size}) tokens per step "
             "for this checkpoint"
-        )
-    parallel = vllm_config.parallel_config
-    if parallel.data_parallel_size > 1:
-        raise ValueError(
-            "speculative_config.method='dspark' with data_parallel_size > 1 is not supported yet "
-            "(the draft MoE would need every DP rank in each draft step); use tensor_parallel_size"
         )
     if getattr(spec, "dspark_draft_topk", None) is not None:
         raise ValueError("speculative_config.dspark_draft_topk is not supported by deepinfer-vllm's DSpark")

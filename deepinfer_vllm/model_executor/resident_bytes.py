@@ -3,7 +3,9 @@
 For every parameter the model holds, the resident side counts its bytes
 (each storage once) and the checkpoint side counts the bytes the same
 elements occupy in the checkpoint (the element size of the tensor it was
-loaded from, recorded at load; vocabulary padding rows excluded). Buffers
+loaded from, recorded at load; vocabulary padding rows excluded; with expert
+load balancing, each logical expert a rank holds counts once however many
+slots replicate it, so redundant experts show as a ratio above 1). Buffers
 that are not weights (rope tables) are counted as resident ``other``. A
 ratio above 1 means weights were widened or copied at load.
 """
@@ -38,6 +40,9 @@ def component_of(name: str) -> str:
 def _held_rows(model: torch.nn.Module, name: str, param: torch.Tensor) -> int:
     """Elements of ``param`` that hold checkpoint values (vocab shards pad their tail)."""
     module = model.get_submodule(name.rsplit(".", 1)[0])
+    if getattr(module, "balanced", False):  # RoutedExperts' slots: distinct experts only
+        held = module.physical_to_logical[module.local.start : module.local.stop]
+        return len(set(held.tolist())) * (param.numel() // param.shape[0])
     shard = getattr(module, "shard_indices", None)
     if shard is None:
         return param.numel()

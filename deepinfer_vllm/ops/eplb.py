@@ -38,11 +38,15 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "ExpertMove",
     "ExpertPlacement",
     "balance_experts",
     "identity_placement",
     "imbalance",
+    "initial_placement",
     "logical_to_physical",
+    "placement_of",
+    "plan_moves",
     "rank_loads",
 ]
 
@@ -64,8 +68,8 @@ class ExpertPlacement(NamedTuple):
 def _replicate(loads: torch.Tensor, redundant: int) -> torch.Tensor:
     """Replica counts ``[layers, n]`` after giving ``redundant`` extra replicas, one at a time, to the
     expert with the largest load per replica (``argmax`` returns the first maximum: lower id wins)."""
-    counts = torch.ones(loads.shape, dtype=torch.int64)
-    rows = torch.arange(loads.shape[0])
+    counts = torch.ones(loads.shape, dtype=torch.int64, device="cpu")
+    rows = torch.arange(loads.shape[0], device="cpu")
     for _ in range(redundant):
         best = torch.argmax(loads / counts, dim=1)
         counts[rows, best] += 1
@@ -206,14 +210,14 @@ def _log_to_phys(phy_to_log: torch.Tensor, logical: int) -> tuple[torch.Tensor, 
     """``(log_to_phys [layers, logical, max_replicas] padded with -1, replica_count [layers, logical])``
     from ``phy_to_log [layers, physical]``; replicas in ascending slot order."""
     layers, physical = phy_to_log.shape
-    counts = torch.zeros(layers, logical, dtype=torch.int64)
+    counts = torch.zeros(layers, logical, dtype=torch.int64, device="cpu")
     counts.scatter_add_(1, phy_to_log, torch.ones_like(phy_to_log))
     width = max(int(counts.max()), 1)
     order = torch.sort(phy_to_log, dim=1, stable=True).indices  # slots grouped by expert, ascending
     sorted_log = phy_to_log.gather(1, order)
     starts = torch.cumsum(counts, dim=1) - counts
-    replica = torch.arange(physical).expand(layers, -1) - starts.gather(1, sorted_log)
-    out = torch.full((layers, logical, width), -1, dtype=torch.int64)
+    replica = torch.arange(physical, device="cpu").expand(layers, -1) - starts.gather(1, sorted_log)
+    out = torch.full((layers, logical, width), -1, dtype=torch.int64, device="cpu")
     out.view(layers, -1).scatter_(1, sorted_log * width + replica, order)
     return out, counts
 
@@ -221,8 +225,70 @@ def _log_to_phys(phy_to_log: torch.Tensor, logical: int) -> tuple[torch.Tensor, 
 def identity_placement(layers: int, logical: int) -> ExpertPlacement:
     """The placement without balancing: one replica per expert, slot ``e`` holds expert ``e`` (with
     ``ranks`` dividing ``logical``, the contiguous split of ``ParallelLayout.local_experts``)."""
-    phy_to_log = torch.arange(logical).expand(layers, -1).contiguous()
+    phy_to_log = torch.arange(logical, device="cpu").expand(layers, -1).contiguous()
     return ExpertPlacement(phy_to_log, *_log_to_phys(phy_to_log, logical))
+
+
+def initial_placement(layers: int, logical: int, physical: int) -> ExpertPlacement:
+    """The placement a balanced model starts from, vLLM's (``EplbState.build_initial_global_physical_to_
+    logical_map``): slot ``i`` holds expert ``i`` for ``i < logical``, and redundant slot ``logical + j``
+    holds expert ``j % logical``. With ``physical == logical`` it is ``identity_placement``."""
+    if physical < logical:
+        raise ValueError(f"need physical >= logical: {physical=} {logical=}")
+    row = torch.cat(
+        [torch.arange(logical, device="cpu"), torch.arange(physical - logical, device="cpu") % logical]
+    )
+    return placement_of(row.expand(layers, -1).contiguous(), logical)
+
+
+def placement_of(phy_to_log: torch.Tensor, logical: int) -> ExpertPlacement:
+    """The ``ExpertPlacement`` of a ``phy_to_log [layers, physical]`` map (every expert at least once)."""
+    phy_to_log = phy_to_log.to("cpu", torch.int64)
+    if phy_to_log.dim() != 2 or bool((phy_to_log < 0).any()) or bool((phy_to_log >= logical).any()):
+        raise ValueError(f"phy_to_log must be [layers, physical] with ids in [0, {logical})")
+    placement = ExpertPlacement(phy_to_log, *_log_to_phys(phy_to_log, logical))
+    if int(placement.replica_count.min()) < 1:
+        raise ValueError("every logical expert needs at least one physical slot")
+    return placement
+
+
+class ExpertMove(NamedTuple):
+    """One expert's weights going from physical slot ``src`` (old placement) to slot ``dst`` (new)."""
+
+    src: int
+    dst: int
+
+
+def plan_moves(old: torch.Tensor, new: torch.Tensor, ranks: int) -> list[ExpertMove]:
+    """The copies that turn one layer's placement ``old [physical]`` into ``new [physical]``, in
+    ascending ``dst`` order: one per slot whose expert changes. The source is a slot on the
+    destination's own rank when that rank held the expert (a local copy), otherwise the holder
+    (under ``old``) that has sent least so far in this plan (ties: lower slot). Deterministic, so
+    every rank computes the same plan; slots that keep their expert need nothing."""
+    old_l, new_l = old.tolist(), new.tolist()
+    physical = len(old_l)
+    if len(new_l) != physical or physical % ranks:
+        raise ValueError(f"old and new must have the same length, divisible by {ranks=}")
+    per = physical // ranks
+    holders: dict[int, list[int]] = {}
+    for slot, e in enumerate(old_l):
+        holders.setdefault(e, []).append(slot)
+    sent = [0] * ranks
+    moves = []
+    for dst, e in enumerate(new_l):
+        if old_l[dst] == e:
+            continue
+        if e not in holders:
+            raise ValueError(f"expert {e} has no slot in the old placement")
+        rank = dst // per
+        local = [s for s in holders[e] if s // per == rank]
+        if local:
+            src = local[0]
+        else:
+            src = min(holders[e], key=lambda s: (sent[s // per], s))
+            sent[src // per] += 1
+        moves.append(ExpertMove(src, dst))
+    return moves
 
 
 def balance_experts(
@@ -259,7 +325,7 @@ def balance_experts(
     group_size = logical // groups if nodes > 1 else logical
     n_groups = groups if nodes > 1 else 1
 
-    phy_to_log = torch.empty(layers, physical, dtype=torch.int64)
+    phy_to_log = torch.empty(layers, physical, dtype=torch.int64, device="cpu")
     for layer in range(layers):
         row = loads[layer]
         group_load = row.view(n_groups, group_size).sum(1).tolist()
@@ -283,7 +349,9 @@ def balance_experts(
             for r in range(ranks_per_node):
                 held = sorted(keys[i] for i in range(len(keys)) if rank_of[i] == r)
                 start = (base + r) * per_rank
-                phy_to_log[layer, start : start + per_rank] = torch.tensor(held, dtype=torch.int64)
+                phy_to_log[layer, start : start + per_rank] = torch.tensor(
+                    held, dtype=torch.int64, device="cpu"
+                )
     return ExpertPlacement(phy_to_log, *_log_to_phys(phy_to_log, logical))
 
 

@@ -1,6 +1,6 @@
 """The V4.1 decisions every DeepInfer platform makes on vLLM's config (CPU and Ascend):
 parallel and checkpoint checks in the user's process, the block size, chunked prefill and
-prefix caching as the user asked, the worker class, DSpark. Each platform calls
+prefix caching as the user asked, the worker class, DSpark, expert load balancing. Each platform calls
 ``configure_v41`` around its device's own update."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ class V41Settings(NamedTuple):
     prefix_caching: bool
     dspark: Any  # configs.dspark.DSparkSettings, or None
     restored: tuple[str, ...] = ()  # what the device's own update had turned off, restored
+    eplb: Any = None  # model_executor.eplb.EplbSettings, or None
 
     def summary(self, parallel_config) -> str:
         dspark = "off" if self.dspark is None else (
@@ -28,7 +29,8 @@ class V41Settings(NamedTuple):
             f"block_size={self.block_size}, chunked_prefill={self.chunked_prefill}, "
             f"prefix_caching={self.prefix_caching}, tensor_parallel={parallel_config.tensor_parallel_size}, "
             f"data_parallel={parallel_config.data_parallel_size}, "
-            f"expert_parallel={parallel_config.enable_expert_parallel}, dspark={dspark}"
+            f"expert_parallel={parallel_config.enable_expert_parallel}, dspark={dspark}, "
+            f"eplb={'off' if self.eplb is None else self.eplb.summary()}"
         )
 
 
@@ -73,7 +75,7 @@ def configure_v41(vllm_config, device_update, worker: str, stock_workers: tuple[
     dspark = None
     if vllm_config.speculative_config is not None:
         dspark = _configure_dspark(vllm_config, arch, checkpoint_names)
-    return V41Settings(block_size, chunked, prefix, dspark, restored)
+    return V41Settings(block_size, chunked, prefix, dspark, restored, _configure_eplb(vllm_config, arch))
 
 
 def _check_parallel(arch, parallel_config) -> None:
@@ -81,6 +83,18 @@ def _check_parallel(arch, parallel_config) -> None:
     from deepinfer_vllm.model_executor.layers.parallel import check_vllm_parallel
 
     check_vllm_parallel(arch, parallel_config)
+
+
+def _configure_eplb(vllm_config, arch):
+    """Expert load balancing's settings (``additional_config`` on these platforms, see
+    ``model_executor.eplb``), checked against the model and the parallel sizes here, in the
+    user's process."""
+    from deepinfer_vllm.model_executor.eplb import check_eplb, eplb_settings
+
+    settings = eplb_settings(vllm_config)
+    if settings is not None:
+        check_eplb(settings, arch.n_routed_experts, vllm_config.parallel_config)
+    return settings
 
 
 def _validate_checkpoint(arch, model_config) -> set[str] | None:

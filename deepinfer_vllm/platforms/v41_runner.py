@@ -7,13 +7,17 @@ needs and the V1 runner does not do, none of it device-specific:
   prefill truncation of the decoder half (``DEEPINFER_PREFILL_TRUNCATION_MODE``);
 * DSpark drafting (``spec_decode``): the drafts of every step, their
   distributions for vLLM's rejection sampler, and the cost table of adaptive
-  verification, profiled once the KV caches exist;
+  verification, profiled once the KV caches exist; with data parallelism a
+  dummy draft step wherever a rank drafts nothing (its dummy batches included),
+  so the draft MoE meets the other ranks';
 * seeded sampling across prefill chunks: after a step that ends inside a
   prompt, vLLM discards the request's sample and rewinds its generator by
   CUDA's offset, which CPU generators lack (the engine dies) and which need not
   hold for an NPU's generator; the runner restores the generator's state from
   before sampling instead (``patch.generator_rewind``), so a seeded request draws
   the same numbers however its prompt is chunked;
+* expert load balancing where the plugin drives it (``model_executor.eplb``): the
+  balancer is built after loading and stepped where vLLM steps its own EPLB state;
 * with adaptive verification, step times measured on the device: the clock is
   read after the device finished (``_sync_device``), not when the host has
   only queued the work.
@@ -30,7 +34,10 @@ from __future__ import annotations
 import contextlib
 import time
 
+import torch
+
 from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
+from deepinfer_vllm.model_executor.eplb import expert_balancer
 from deepinfer_vllm.patch import generator_rewind
 from deepinfer_vllm.spec_decode.proposer import DSparkProposer
 
@@ -119,8 +126,33 @@ class V41RunnerMixin:
                 self.scheduler_config.max_num_seqs * (1 + drafter.k),
                 PROFILE_MAX_TOKENS,
             )
+            # The target's steps alone (vLLM's ``_dummy_run``, not ours with its dummy draft);
+            # every data-parallel rank profiles the same sizes, so their collectives meet.
+            target_step = super()._dummy_run
             with self.unmeasured_steps():
-                drafter.profile(lambda n: self._dummy_run(n), limit, self._sync_device)
+                drafter.profile(lambda n: target_step(n), limit, self._sync_device)
+
+    @torch.inference_mode()  # as vLLM's own _dummy_run: its tensors (weight workspaces) are inference tensors
+    def _dummy_run(self, num_tokens: int, *args, skip_eplb: bool = False, is_profile: bool = False, **kwargs):
+        drafter = self._dspark()
+        if drafter is None or drafter.data_parallel_size == 1:
+            return super()._dummy_run(num_tokens, *args, skip_eplb=skip_eplb, is_profile=is_profile, **kwargs)
+        # An idle data-parallel rank's step (vLLM's dummy batch) meets the busy ranks' draft step
+        # too (``DSparkProposer.dummy_draft``), before the EPLB step as on a busy rank (and as
+        # vLLM's own drafters' ``dummy_run`` inside its ``_dummy_run``).
+        out = super()._dummy_run(num_tokens, *args, skip_eplb=True, is_profile=is_profile, **kwargs)
+        drafter.dummy_draft(self.device, self.dtype)
+        if not skip_eplb:
+            self.eplb_step(is_dummy=True, is_profile=is_profile)
+        return out
+
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        if self._dspark() is None:
+            return super()._input_fits_in_drafter(common_attn_metadata)
+        # DSpark skips each request whose block would pass max_model_len (vLLM's test, per
+        # request, in ``DSparkProposer.draft``) and so runs every step: with data
+        # parallelism a skipped draft step would leave the other ranks' draft MoE waiting.
+        return common_attn_metadata is not None
 
     def propose_draft_token_ids(
         self,
@@ -148,6 +180,21 @@ class V41RunnerMixin:
             self._draft_probs = probs
             self._draft_prob_req_ids = list(self.input_batch.req_ids)
         return drafts
+
+    # ------------------------------------------------- expert load balancing
+    # The plugin's EPLB driver where vLLM's config refuses ``enable_eplb`` (``model_executor.eplb``).
+    _expert_balancer = None
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self._expert_balancer = expert_balancer(self.get_model(), self.vllm_config)
+
+    def eplb_step(self, is_dummy: bool = False, is_profile: bool = False) -> None:
+        # vLLM calls this after every step's forward and every dummy batch (idle data-parallel
+        # ranks included), so every rank of the expert group counts the same steps.
+        if self._expert_balancer is None:
+            return super().eplb_step(is_dummy, is_profile)
+        self._expert_balancer.step(is_dummy, is_profile)
 
 
 class V41WorkerMixin:

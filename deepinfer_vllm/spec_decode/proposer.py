@@ -10,6 +10,15 @@ request's temperature, top-k and top-p, from a generator seeded by the request's
 vLLM's rejection sampler with the drafts, so verification is exact speculative sampling.
 With adaptive verification only the slots chosen by ``adaptive.choose_draft_counts`` are
 returned (a prefix per request); vLLM's scheduler verifies exactly those.
+
+With data parallelism (``data_parallel_size > 1``) the stages' MoE runs over the expert
+group, so every data-parallel rank takes part in every draft step: a rank with nothing to
+draft this step (no request got a bonus token, or every drafting request is at the length
+limit) runs ``dummy_draft`` instead, and an idle rank runs it after each of vLLM's dummy
+batches (``V41RunnerMixin._dummy_run``), as vLLM's own drafters do with their ``dummy_run``.
+A step is always one draft forward, whatever the requests' ``k`` and whatever adaptive
+verification then keeps (it picks from drafts already made), so every rank makes the same
+collective calls per step without agreeing on ``k``.
 """
 
 from __future__ import annotations
@@ -19,10 +28,10 @@ import time
 
 import torch
 
+from deepinfer_vllm.configs.dspark import dspark_settings
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.ops.dspark import confidence, markov_logits
 from deepinfer_vllm.spec_decode.adaptive import CostTable, OnlineAcceptance, choose_draft_counts, survivals
-from deepinfer_vllm.configs.dspark import dspark_settings
 
 __all__ = ["DSparkProposer"]
 
@@ -52,6 +61,7 @@ class DSparkProposer:
         self.settings = settings
         self.k = settings.num_speculative_tokens
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.data_parallel_size = int(vllm_config.parallel_config.data_parallel_size)
         self.model = None
         self.verify_costs = CostTable()
         self.draft_costs = CostTable()
@@ -129,6 +139,8 @@ class DSparkProposer:
             anchor.append(p)
         drafts: list[list[int]] = [[] for _ in req_ids]
         if not rows or not step_metadata:
+            if self.data_parallel_size > 1:
+                self.dummy_draft(runner.device, runner.dtype)
             return drafts, None
         R = len(rows)
         # Draft costs feed adaptive verification only; timed on the device (as ``profile``).
@@ -191,6 +203,14 @@ class DSparkProposer:
             if self.online is not None:
                 self._last_features[req_ids[i]] = conf[j, : counts[j]].tolist()
         return drafts, probs_out
+
+    @torch.no_grad()
+    def dummy_draft(self, device, dtype: torch.dtype) -> None:
+        """A draft step that drafts nothing: each stage's MoE over one zero row
+        (``DSparkStage.dummy_forward``), so this data-parallel rank's draft step meets the
+        other ranks' in the expert group (see the module docstring)."""
+        for stage in self.model.mtp:
+            stage.dummy_forward(1, dtype, device)
 
     @staticmethod
     def _distribution(logits: torch.Tensor, params) -> torch.Tensor:

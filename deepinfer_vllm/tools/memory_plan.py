@@ -1,6 +1,6 @@
 """``deepinfer-memory-plan``: what each rank holds for a V4.1 config, and the context that fits.
 
-    deepinfer-memory-plan --config flash --dp 8 --ep 8
+    deepinfer-memory-plan --config flash --dp 8 --ep 8 [--redundant-experts 8]
     deepinfer-memory-plan --config flash --tp 8 [--engram-host] [--hbm-gib 141]
     deepinfer-memory-plan --config DIR   (a checkpoint folder: config.json is enough)
 
@@ -18,6 +18,9 @@ are per running request. The tokens of context that fit are
 
 ``--ep`` follows vLLM: expert parallelism spans data_parallel x tensor_parallel
 ranks (``--ep`` is 1, or ``tp * dp`` with ``enable_expert_parallel``).
+``--redundant-experts N`` plans expert load balancing with N redundant
+experts (vLLM's ``eplb_config.num_redundant_experts``): each rank then holds
+``(n_routed_experts + N) / ep`` expert slots per layer, shown per rank.
 ``--engram-host`` keeps Engram rows in (pinned) host memory, as DeepInfer
 does by default, and shows them in a host column instead of HBM.
 """
@@ -52,6 +55,7 @@ class RankPlan:
     kv_per_token: dict[str, float]  # bytes per token by cache kind
     window_per_request: int  # bytes of window KV one running request keeps
     not_held: dict[str, int]  # checkpoint bytes of DSpark / vision (not held)
+    expert_slots: int = 0  # routed-expert slots per layer on this rank (whole experts), 0 for slices
 
 
 class _PlanGroup:
@@ -97,7 +101,9 @@ def _config_dir(config: str, scratch: Path) -> Path:
     return path
 
 
-def _vllm_config(model_dir: Path, tp: int, dp: int, ep: int, max_model_len: int | None):
+def _vllm_config(
+    model_dir: Path, tp: int, dp: int, ep: int, max_model_len: int | None, redundant_experts: int = 0
+):
     import deepinfer_vllm
     from vllm.engine.arg_utils import EngineArgs
 
@@ -108,6 +114,12 @@ def _vllm_config(model_dir: Path, tp: int, dp: int, ep: int, max_model_len: int 
     par.tensor_parallel_size = tp
     par.data_parallel_size = dp
     par.enable_expert_parallel = ep > 1
+    if redundant_experts:
+        # The plugin's spelling of vLLM's EPLB fields (model_executor.eplb).
+        vc.additional_config = {
+            "enable_eplb": True,
+            "eplb_config": {"num_redundant_experts": redundant_experts},
+        }
     return vc
 
 
@@ -125,9 +137,18 @@ def _not_held(arch) -> dict[str, int]:
 
 
 def plan(
-    config: str, tp: int = 1, dp: int = 1, ep: int = 1, max_model_len: int | None = None
+    config: str,
+    tp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    max_model_len: int | None = None,
+    redundant_experts: int = 0,
 ) -> list[RankPlan]:
     """Build the model for every rank of the layout on the meta device and size it."""
+    if redundant_experts < 0:
+        raise ValueError(f"--redundant-experts {redundant_experts}: must be >= 0")
+    if redundant_experts and ep == 1:
+        raise ValueError("--redundant-experts needs expert parallelism (--ep = tp * dp > 1)")
     if ep not in (1, tp * dp):
         raise ValueError(
             f"--ep {ep}: vLLM's expert parallelism spans data_parallel x tensor_parallel = {tp * dp} "
@@ -141,7 +162,7 @@ def plan(
 
     plans = []
     with tempfile.TemporaryDirectory() as scratch:
-        vc = _vllm_config(_config_dir(config, Path(scratch)), tp, dp, ep, max_model_len)
+        vc = _vllm_config(_config_dir(config, Path(scratch)), tp, dp, ep, max_model_len, redundant_experts)
         block = vc.cache_config.block_size
         not_held = None
         for dp_rank in range(dp):
@@ -166,8 +187,11 @@ def plan(
                     if d.sliding_window is not None
                 )
                 not_held = not_held or _not_held(model.arch)
+                slots = len(model.layers[0].ffn.experts.local) if ep > 1 else 0
                 plans.append(
-                    RankPlan(dp_rank * tp + tp_rank, tp_rank, dp_rank, weights, per_token, window, not_held)
+                    RankPlan(
+                        dp_rank * tp + tp_rank, tp_rank, dp_rank, weights, per_token, window, not_held, slots
+                    )
                 )
                 del model
     return plans
@@ -189,8 +213,8 @@ def format_plan(
     lines = [
         "Weights per rank in GB (1e9 bytes), as held: experts packed E2M1 + UE8M0, dense FP8 + UE8M0 tiles, "
         "Engram E4M3 + UE8M0, embedding/head bf16",
-        f"{'rank':>4} {'tp':>3} {'dp':>3} {'experts':>8} {'Engram':>8} {'dense':>8} {'emb+head':>8} "
-        f"{'HBM wts':>8} {'host':>8} {'KV toks':>12}",
+        f"{'rank':>4} {'tp':>3} {'dp':>3} {'slots':>5} {'experts':>8} {'Engram':>8} {'dense':>8} "
+        f"{'emb+head':>8} {'HBM wts':>8} {'host':>8} {'KV toks':>12}",
     ]
     kv_global = first.kv_per_token["global"]
     for p in plans:
@@ -200,12 +224,14 @@ def format_plan(
         budget = hbm_gib * GIB * utilization - hbm - reserve_gib * GIB - requests * p.window_per_request
         tokens = max(0, int(budget // kv_global))
         lines.append(
-            f"{p.rank:>4} {p.tp_rank:>3} {p.dp_rank:>3} "
+            f"{p.rank:>4} {p.tp_rank:>3} {p.dp_rank:>3} {p.expert_slots or '-':>5} "
             f"{_gb(w['experts'])} {_gb(w['engram'])} {_gb(w['dense'])} "
             f"{_gb(w['embedding_head'])} {_gb(hbm)} {_gb(host)} {tokens:>12,}"
         )
     kinds = ", ".join(f"{k} {v:.1f}" for k, v in first.kv_per_token.items())
     lines += [
+        "slots: routed-expert slots per layer on the rank (whole experts; with --redundant-experts the "
+        "redundant ones included; '-': every expert's slice)",
         f"KV bytes per token (every rank): {kinds}; window KV per running request "
         f"{first.window_per_request / 1e6:.2f} MB",
         f"KV toks: context tokens that fit per rank in {hbm_gib:g} GiB x {utilization:g} after weights, "
@@ -226,6 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--dp", type=int, default=1, help="data_parallel_size")
     parser.add_argument("--ep", type=int, default=1, help="1, or tp * dp with enable_expert_parallel")
+    parser.add_argument(
+        "--redundant-experts",
+        type=int,
+        default=0,
+        help="expert load balancing's redundant experts (eplb_config num_redundant_experts)",
+    )
     parser.add_argument("--engram-host", action="store_true", help="Engram rows in host memory, not HBM")
     parser.add_argument("--hbm-gib", type=float, default=141.0 * 1e9 / GIB, help="HBM per GPU (H200: 141 GB)")
     parser.add_argument("--utilization", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
@@ -233,9 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=256, help="running requests (window KV each)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
     args = parser.parse_args(argv)
-    plans = plan(args.config, args.tp, args.dp, args.ep, args.max_model_len)
+    plans = plan(args.config, args.tp, args.dp, args.ep, args.max_model_len, args.redundant_experts)
     print(
         f"deepinfer-memory-plan --config {args.config} --tp {args.tp} --dp {args.dp} --ep {args.ep}"
+        + (f" --redundant-experts {args.redundant_experts}" if args.redundant_experts else "")
         + (" --engram-host" if args.engram_host else "")
     )
     print(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from vllm.engine.arg_utils import EngineArgs
 
 from deepinfer_vllm.configs.dspark import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, dspark_settings
@@ -70,14 +69,16 @@ def test_config_with_stages_but_no_stage_tensors_is_refused(tmp_path, tiny_check
         _config(str(out), {"method": "dspark", "num_speculative_tokens": 1})
 
 
-def test_data_parallel_with_dspark_is_refused_for_now(tiny_checkpoint):
-    with pytest.raises(ValueError, match=r"data_parallel_size > 1"):
-        _config(
-            tiny_checkpoint,
-            {"method": "dspark", "num_speculative_tokens": 1},
-            data_parallel_size=2,
-            enable_expert_parallel=True,
-        )
+def test_data_parallel_with_dspark_is_handed_to_our_proposer(tiny_checkpoint):
+    cfg = _config(
+        tiny_checkpoint,
+        {"method": "dspark", "num_speculative_tokens": 2},
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+    )
+    assert cfg.parallel_config.data_parallel_size == 2
+    assert dspark_settings(cfg).num_speculative_tokens == 2
+    assert (cfg.speculative_config.method, cfg.speculative_config.model) == ("custom_class", PROPOSER_CLASS)
 
 
 def test_drafts_env_sets_k_where_vllm_filled_in_the_block_size(tiny_checkpoint, monkeypatch):

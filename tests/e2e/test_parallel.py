@@ -1,7 +1,11 @@
 """V4.1 split over vLLM's process groups on CPU, each through vLLM's OpenAI server: tensor
 parallelism, and data + expert parallelism. Both give the one-rank greedy tokens, prompt
 logprobs within 1e-3, and each rank holds its share of the weights, measured in the running
-workers (their logged resident bytes). The TP=2 server also runs the request-options matrix.
+workers (their logged resident bytes). The TP=2 server also runs the request-options matrix;
+the DP=2 server drafts with DSpark on both engines (``tiny-dspark``: tiny's target weights
+with a trained draft) and must still give the target's greedy tokens; it also balances the
+experts (EPLB, a rebalance every 5 steps), and gives the same tokens after rebalances that moved
+experts between the two engines' workers.
 
 Two CPU workers on a 2-core host need ``VLLM_CPU_OMP_THREADS_BIND="0|1"``.
 """
@@ -9,6 +13,7 @@ Two CPU workers on a 2-core host need ``VLLM_CPU_OMP_THREADS_BIND="0|1"``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import math
 import re
 import time
@@ -120,25 +125,53 @@ def test_request_options_tp2(tp_server):
 
 
 # ------------------------------------------------------ data + expert parallel (server)
+DSPARK_K = 5
+# Expert load balancing (the plugin's spelling of vLLM's fields) with a short period, so that the
+# server's tests run through several rebalances: 8 experts + 2 redundant = 5 slots per rank.
+EPLB = {
+    "enable_eplb": True,
+    "eplb_config": {"window_size": 4, "step_interval": 5, "num_redundant_experts": 2},
+}
+SLOTS_PER_RANK = 5
+
+
 @pytest.fixture(scope="module")
-def dp_server(tiny_checkpoint, tmp_path_factory):
+def dp_server(tiny_dspark_checkpoint, tmp_path_factory):
     parallel = ["--data-parallel-size", "2", "--enable-expert-parallel"]
-    yield from _two_worker_server(tiny_checkpoint, tmp_path_factory, "dp", parallel)
+    parallel += ["--speculative-config", json.dumps({"method": "dspark", "num_speculative_tokens": DSPARK_K})]
+    parallel += ["--additional-config", json.dumps(EPLB)]
+    yield from _two_worker_server(tiny_dspark_checkpoint, tmp_path_factory, "dp", parallel)
 
 
-def _complete(url: str, prompt: list[int]) -> dict:
+def _complete(url: str, prompt: list[int], max_tokens: int = 16, engine: int | None = None) -> dict:
     body = {
         "model": "tiny",
         "prompt": prompt,
-        "max_tokens": 16,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "prompt_logprobs": 0,
         "return_token_ids": True,
     }
-    r = requests.post(f"{url}/v1/completions", json=body, timeout=600)
+    # vLLM's header that sends a request to one data-parallel engine.
+    headers = {} if engine is None else {"X-data-parallel-rank": str(engine)}
+    r = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
     r.raise_for_status()
     return r.json()["choices"][0]
+
+
+def _concurrent_greedy_and_logprob_error(url, prompts, reference_greedy, tiny_reference) -> float:
+    """The prompts sent at once (vLLM's balancer spreads them over the data-parallel engines, the
+    idle one running dummy batches through the same collectives): asserts the reference's greedy
+    tokens and returns the largest prompt-logprob error."""
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        choices = list(pool.map(lambda p: _complete(url, p), prompts))
+    assert [c["token_ids"] for c in choices] == reference_greedy
+    return _logprob_error(
+        tiny_reference,
+        prompts,
+        [lambda pos, tok, c=c: c["prompt_logprobs"][pos][str(tok)]["logprob"] for c in choices],
+    )
 
 
 @DP
@@ -146,16 +179,7 @@ def test_dp2_ep_server_greedy_and_logprobs_match_one_rank(
     dp_server, acceptance_prompts, reference_greedy, tiny_reference
 ):
     url, log_path = dp_server
-    # Concurrent requests: vLLM's balancer spreads them over both data-parallel
-    # engines, and the idle one runs dummy batches through the same collectives.
-    with cf.ThreadPoolExecutor(len(acceptance_prompts)) as pool:
-        choices = list(pool.map(lambda p: _complete(url, p), acceptance_prompts))
-    assert [c["token_ids"] for c in choices] == reference_greedy
-    worst = _logprob_error(
-        tiny_reference,
-        acceptance_prompts,
-        [lambda pos, tok, c=c: c["prompt_logprobs"][pos][str(tok)]["logprob"] for c in choices],
-    )
+    worst = _concurrent_greedy_and_logprob_error(url, acceptance_prompts, reference_greedy, tiny_reference)
     print(f"DP=2 + EP prompt logprobs: max |d| = {worst:.2e}")
     assert worst < 1e-3
     # Both engines served prompts (vLLM's per-engine stats lines).
@@ -171,13 +195,50 @@ def test_dp2_ep_server_greedy_and_logprobs_match_one_rank(
     assert served == {"000", "001"}, served
 
 
+def _spec_counters(url: str) -> dict[tuple[str, str], float]:
+    """vLLM's spec-decode counters on ``/metrics`` per engine: {(engine, name): value}."""
+    out: dict[tuple[str, str], float] = {}
+    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+        m = re.match(r'^vllm:(spec_decode_num_\w+_total)\{[^}]*engine="(\d+)"[^}]*\} ([0-9.e+-]+)$', line)
+        if m and "position=" not in line:
+            out[(m[2], m[1])] = out.get((m[2], m[1]), 0.0) + float(m[3])
+    return out
+
+
 @DP
-def test_dp2_ep_each_rank_holds_half_the_experts_and_engram(dp_server, tiny_checkpoint):
+def test_dp2_ep_server_dspark_drafts_and_accepts_on_both_engines(dp_server, tiny_greedy):
+    from deepinfer_vllm.tools.train_dspark import Recipe, recipe_prompts
+
+    url, _ = dp_server
+    recipe = Recipe()
+    prompts = recipe_prompts(recipe)[0][:4]  # the draft's fitted prompts: drafts get accepted
+    before = _spec_counters(url)
+    # One engine at a time (the other idles through dummy batches and dummy drafts), then
+    # both drafting at once.
+    jobs = [[(prompts[0], 0)], [(prompts[1], 1)], [(prompts[2], 0), (prompts[3], 1)]]
+    for batch in jobs:
+        with cf.ThreadPoolExecutor(len(batch)) as pool:
+            choices = list(pool.map(lambda job: _complete(url, job[0], recipe.continuation, job[1]), batch))
+        for (prompt, _), choice in zip(batch, choices):
+            assert choice["token_ids"] == tiny_greedy(prompt, recipe.continuation)
+    after = _spec_counters(url)
+    for engine in ("0", "1"):
+        delta = {name: v - before.get((e, name), 0.0) for (e, name), v in after.items() if e == engine}
+        print(f"DP=2 + EP, DSpark k={DSPARK_K}, engine {engine}: {delta}")
+        drafts = delta["spec_decode_num_drafts_total"]
+        accepted = delta["spec_decode_num_accepted_tokens_total"]
+        assert drafts > 0 and delta["spec_decode_num_draft_tokens_total"] == DSPARK_K * drafts
+        assert accepted > 0
+
+
+@DP
+def test_dp2_ep_each_rank_holds_half_the_experts_and_engram(dp_server, tiny_dspark_checkpoint):
     _, log_path = dp_server
-    header = _header_bytes(tiny_checkpoint)
+    header = _header_bytes(tiny_dspark_checkpoint)
     # Each worker logs what it holds after loading, measured from its parameters.
     lines = re.findall(
-        r"weights resident on tp 0/1 dp (\d)/2 \(expert group rank \d/2, whole experts\): (.*)",
+        rf"weights resident on tp 0/1 dp (\d)/2 \(expert group rank \d/2, whole experts, "
+        rf"{SLOTS_PER_RANK} of 10 slots\): (.*)",
         log_path.read_text(),
     )
     ranks = {
@@ -186,8 +247,45 @@ def test_dp2_ep_each_rank_holds_half_the_experts_and_engram(dp_server, tiny_chec
     }
     assert set(ranks) == {"0", "1"}, lines
     for rows in ranks.values():
-        for comp in ("experts", "engram"):
-            assert rows[comp] * 2 == header[comp], (comp, rows[comp], header[comp])
+        # Routed experts: 5 slots of the 8 experts' bytes (4 experts + 1 redundant, load balancing).
+        assert rows["experts"] * 8 == header["experts"] * SLOTS_PER_RANK, (rows["experts"], header["experts"])
+        assert rows["engram"] * 2 == header["engram"], (rows["engram"], header["engram"])
         # Attention is data-parallel: dense weights, embedding and head are whole on every rank.
         assert rows["dense"] == header["dense"]
         assert rows["embedding_head"] == header["embedding_head"]
+        # DSpark is on: its stages are held, their routed experts split like the target's.
+        assert 0 < rows["dspark"] < header["dspark"]
+
+
+def _moving_rebalances(log_path) -> list[tuple[int, int]]:
+    """(rebalance, slots moved) of every rebalance that changed the map (EP rank 0's log lines)."""
+    return [
+        (int(n), int(moved))
+        for n, moved in re.findall(
+            r"DeepInfer EPLB rebalance (\d+) at step \d+: map changed, (\d+) of \d+ slots moved",
+            log_path.read_text(),
+        )
+    ]
+
+
+@DP
+def test_dp2_ep_server_tokens_unchanged_after_expert_rebalances(
+    dp_server, acceptance_prompts, reference_greedy, tiny_reference
+):
+    """EPLB on: after at least two rebalances that moved experts between the workers (the maps
+    changed), the acceptance prompts still give the reference's greedy tokens and prompt
+    logprobs within 1e-3 (the same checks as before any rebalance, above)."""
+    url, log_path = dp_server
+    # Repeated text routes most tokens to a few experts; more requests if the tests above made
+    # too few steps for two moving rebalances.
+    filler = [7, 8, 9, 10] * 12
+    for _ in range(6):
+        if len(_moving_rebalances(log_path)) >= 2:
+            break
+        with cf.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda e: _complete(url, filler, engine=e), (0, 1)))
+    moved = _moving_rebalances(log_path)
+    assert len(moved) >= 2 and all(n > 0 for _, n in moved), moved
+    worst = _concurrent_greedy_and_logprob_error(url, acceptance_prompts, reference_greedy, tiny_reference)
+    print(f"DP=2 + EP + EPLB after {len(moved)} moving rebalances: prompt logprobs max |d| = {worst:.2e}")
+    assert worst < 1e-3

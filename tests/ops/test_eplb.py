@@ -7,10 +7,14 @@ import pytest
 import torch
 
 from deepinfer_vllm.ops.eplb import (
+    ExpertMove,
     balance_experts,
     identity_placement,
     imbalance,
+    initial_placement,
     logical_to_physical,
+    placement_of,
+    plan_moves,
     rank_loads,
 )
 
@@ -167,3 +171,38 @@ def test_logical_to_physical_without_replicas_is_the_map():
     p = identity_placement(1, 8)
     ids = torch.tensor([[3, 1], [7, -1]])
     assert torch.equal(logical_to_physical(ids, p.log_to_phys[0], p.replica_count[0]), ids)
+
+
+def test_initial_placement_is_vllms():
+    """vLLM's ``build_initial_global_physical_to_logical_map``: experts in order, then the redundant
+    slots hold experts 0, 1, ...; without redundancy it is the identity."""
+    p = initial_placement(2, 8, 10)
+    assert p.phy_to_log.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]] * 2
+    assert p.replica_count[0].tolist() == [2, 2, 1, 1, 1, 1, 1, 1]
+    assert p.log_to_phys[0, 0].tolist() == [0, 8] and p.log_to_phys[0, 7].tolist() == [7, -1]
+    assert torch.equal(initial_placement(3, 8, 8).phy_to_log, identity_placement(3, 8).phy_to_log)
+    with pytest.raises(ValueError, match="physical >= logical"):
+        initial_placement(1, 8, 7)
+    with pytest.raises(ValueError, match="at least one physical slot"):
+        placement_of(torch.tensor([[0, 0, 1]]), 3)
+
+
+def test_plan_moves_applied_gives_the_new_placement():
+    """Applying the plan to the old slots' contents yields the new placement; sources are local
+    where the destination's rank held the expert, and spread over holders otherwise."""
+    old = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 1])  # 2 ranks of 5 slots
+    new = torch.tensor([0, 4, 5, 5, 6, 1, 2, 3, 7, 7])
+    moves = plan_moves(old, new, ranks=2)
+    assert [m.dst for m in moves] == sorted(m.dst for m in moves)
+    held = old.tolist()
+    after = list(held)
+    for m in moves:
+        after[m.dst] = held[m.src]  # every source read from the old contents
+    assert after == new.tolist()
+    # Slot 1 (rank 0) needs expert 4, which rank 0 held in slot 4: a local copy.
+    assert ExpertMove(4, 1) in moves
+    # Unchanged slots need nothing.
+    assert all(old[m.dst] != new[m.dst] for m in moves)
+    assert plan_moves(old, old, ranks=2) == []
+    with pytest.raises(ValueError, match="no slot in the old placement"):
+        plan_moves(torch.tensor([0, 0, 1, 1]), torch.tensor([0, 2, 1, 1]), ranks=2)

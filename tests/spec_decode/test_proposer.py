@@ -16,6 +16,7 @@ def _proposer(k=3, adaptive=True) -> DSparkProposer:
     cfg = types.SimpleNamespace(
         additional_config={ADDITIONAL_CONFIG_KEY: {"num_speculative_tokens": k, "adaptive": adaptive}},
         model_config=types.SimpleNamespace(max_model_len=128),
+        parallel_config=types.SimpleNamespace(data_parallel_size=1),
     )
     return DSparkProposer(cfg)
 

@@ -100,3 +100,23 @@ def test_cli_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "global 890.0" in out and "host" in out
     assert len([line for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]) == 2
+
+
+@pytest.mark.parametrize("redundant", [0, 8, 32])
+def test_dp8_ep8_with_redundant_experts(flash, redundant):
+    """Expert load balancing's redundant experts cost (384 + R) / 8 slots per layer on every rank:
+    one expert's bytes times the slots, nothing else changes."""
+    arch = V41Arch.from_config(flash_config())
+    ranks = plan("flash", tp=1, dp=8, ep=8, max_model_len=4096, redundant_experts=redundant)
+    slots = (arch.n_routed_experts + redundant) // 8
+    for r in ranks:
+        assert r.expert_slots == slots
+        assert r.weights["experts"] * arch.n_routed_experts == flash["experts"] * slots
+        assert r.weights["dense"] == flash["dense"]
+
+
+def test_redundant_experts_must_split_over_the_ranks():
+    with pytest.raises(ValueError, match="do not split equally"):
+        plan("flash", tp=1, dp=8, ep=8, redundant_experts=4)
+    with pytest.raises(ValueError, match="--redundant-experts needs expert parallelism"):
+        plan("flash", tp=8, redundant_experts=8)

@@ -33,6 +33,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import MixtureOfExperts
 from vllm.model_executor.models.utils import make_layers
 
 from deepinfer_vllm import envs
@@ -40,6 +41,7 @@ from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, mode
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.configs import checkpoint
+from deepinfer_vllm.model_executor.eplb import check_eplb, eplb_settings
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_vllm_parallel
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
@@ -77,6 +79,7 @@ class DeepseekV41Block(nn.Module):
         cache_layers: dict[str, V41CacheLayer],
         quant_config,
         layout: ParallelLayout,
+        redundant: int | None = None,
     ):
         super().__init__()
         self.arch = arch
@@ -87,7 +90,7 @@ class DeepseekV41Block(nn.Module):
         self.hc_ffn = HyperConnection(arch)
         self.attn = V41Attention(arch, role, rope_cache, f"{prefix}.attn", cache_layers, quant_config, layout)
         self.ffn = V41MoE.from_arch(
-            arch, arch.n_routed_experts, arch.top_k, quant_config, layout, f"{prefix}.ffn"
+            arch, arch.n_routed_experts, arch.top_k, quant_config, layout, f"{prefix}.ffn", redundant
         )
         self.engram = None
         if role.has_engram:
@@ -117,8 +120,13 @@ class DeepseekV41Block(nn.Module):
         return streams, pre_f, input_ids, state
 
 
-class DeepseekV41ForCausalLM(nn.Module):
-    """vLLM entry class of DeepSeek-V4.1 (registered by ``deepinfer_vllm.register``)."""
+class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
+    """vLLM entry class of DeepSeek-V4.1 (registered by ``deepinfer_vllm.register``).
+
+    Implements vLLM's ``MixtureOfExperts`` for expert load balancing (``model_executor.eplb``): the
+    backbone's routed experts are ``moe_layers``; vLLM's ``EplbState`` (where vLLM accepts
+    ``enable_eplb``) or the plugin's ``ExpertBalancer`` hands them maps and load counters through
+    ``set_eplb_state`` and moves ``expert_weights``. DSpark's draft stages keep one replica per expert."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -150,16 +158,25 @@ class DeepseekV41ForCausalLM(nn.Module):
             arch.vocab_size, arch.hidden_size, quant_config=quant_config, prefix="embed"
         )
 
+        self.eplb = eplb_settings(vllm_config)
+        redundant = None
+        if self.eplb is not None:
+            check_eplb(self.eplb, arch.n_routed_experts, vllm_config.parallel_config)
+            redundant = self.eplb.num_redundant_experts
+
         def block(prefix: str) -> DeepseekV41Block:
             role = arch.roles[int(prefix.rsplit(".", 1)[1])]
             rope = main_rope if role.ratio == 0 else comp_rope
-            return DeepseekV41Block(arch, role, rope, prefix, self.cache_layers, quant_config, layout)
+            return DeepseekV41Block(
+                arch, role, rope, prefix, self.cache_layers, quant_config, layout, redundant
+            )
 
         _, _, self.layers = make_layers(arch.num_layers, block, prefix="layers")
         for layer in self.layers:
             role = layer.role
             if role.ratio > 0:
                 layer.attn.bind_kv_source(self.layers[role.kv_source].attn)
+        self._set_moe_parameters(arch, layout, redundant)
         self.norm = V41Norm(arch.hidden_size, arch.rms_norm_eps)
         self.head = ParallelLMHead(
             arch.vocab_size, arch.hidden_size, quant_config=quant_config, prefix="head"
@@ -193,6 +210,34 @@ class DeepseekV41ForCausalLM(nn.Module):
             block_size,
         )
 
+    # ------------------------------------------------ MixtureOfExperts (EPLB)
+    def _set_moe_parameters(self, arch: V41Arch, layout: ParallelLayout, redundant: int | None) -> None:
+        """vLLM's ``MixtureOfExperts`` fields; ``num_moe_layers`` is 0 without load balancing, so vLLM
+        sees a MoE model only when it balances one."""
+        experts = [layer.ffn.experts for layer in self.layers]
+        self.moe_layers = experts if redundant is not None else []
+        self.num_moe_layers = len(self.moe_layers)
+        self.num_expert_groups = 1  # V4.1 routes without expert groups (n_group = 1)
+        self.num_logical_experts = arch.n_routed_experts
+        self.num_routed_experts = arch.n_routed_experts
+        self.num_redundant_experts = redundant or 0
+        self.num_physical_experts = arch.n_routed_experts + self.num_redundant_experts
+        self.num_local_physical_experts = len(experts[0].local)
+        self.num_shared_experts = 1
+        self.expert_weights = []
+        # Set by the plugin's balancer (``model_executor.eplb.ExpertBalancer.run_pending``).
+        self.eplb_before_forward = None
+
+    def update_physical_experts_metadata(self, num_physical_experts: int, num_local_physical_experts: int):
+        """Elastic expert parallelism (a changing slot count) is not supported."""
+        if (num_physical_experts, num_local_physical_experts) != (
+            self.num_physical_experts,
+            self.num_local_physical_experts,
+        ):
+            raise NotImplementedError(
+                "DeepInfer's V4.1 keeps its physical expert slots fixed (no elastic expert parallelism)"
+            )
+
     # --------------------------------------------------------------- forward
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids).to(self.dtype)
@@ -206,6 +251,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         arch = self.arch
+        if self.eplb_before_forward is not None:
+            self.eplb_before_forward()  # a due rebalance, before this step's first collective
         attn_metadata = get_forward_context().attn_metadata
         if attn_metadata:
             state = StepState.from_metadata(attn_metadata, next(iter(self.cache_layers)))
@@ -368,13 +415,20 @@ class DeepseekV41ForCausalLM(nn.Module):
             lay.dp_size,
             lay.moe_rank,
             lay.moe_size,
-            "whole experts" if lay.expert_parallel else "expert slices",
+            self._expert_split(),
             ", ".join(
                 f"{c} {r['resident']} B (checkpoint {r['checkpoint']} B)"
                 for c, r in rows.items()
                 if r["resident"]
             ),
         )
+
+    def _expert_split(self) -> str:
+        if not self.layout.expert_parallel:
+            return "expert slices"
+        if self.num_moe_layers:
+            return f"whole experts, {self.num_local_physical_experts} of {self.num_physical_experts} slots"
+        return "whole experts"
 
     @staticmethod
     def _load_param(param: nn.Parameter, tensor: torch.Tensor) -> None:

@@ -18,20 +18,19 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.configs.checkpoint import dspark_prefix
+from deepinfer_vllm.model_executor.layers.linear import linear
+from deepinfer_vllm.model_executor.layers.norm import V41Norm
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
+from deepinfer_vllm.model_executor.layers.params import held
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collapse_norm
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
-from deepinfer_vllm.model_executor.layers.linear import linear
-from deepinfer_vllm.model_executor.layers.norm import V41Norm
-from deepinfer_vllm.model_executor.layers.params import held
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.dspark import context_window
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
@@ -134,6 +133,17 @@ class DSparkStage(nn.Module):
         x = collapse_norm(streams, pre_a, self.ffn_norm)
         streams = self.hc_ffn.expand(self.ffn(x, ids), streams, post_f, comb_f)
         return streams, pre_f
+
+    def dummy_forward(self, num_tokens: int, dtype: torch.dtype, device) -> None:
+        """This stage's part of a draft step that drafts nothing: its MoE over ``num_tokens``
+        zero rows, output discarded.
+
+        The MoE is the stage's only collective across data-parallel ranks (its tokens go
+        through the expert group, ``TokenExchange``); attention and the rest are local to
+        the rank (tensor-parallel collectives stay within it). A rank with no draft rows
+        runs this while the others draft, so every rank's draft step meets the others'."""
+        x = torch.zeros(num_tokens, self.arch.hidden_size, dtype=dtype, device=device)
+        self.ffn(x, torch.zeros(num_tokens, dtype=torch.int64, device=device))
 
 
 def build_stages(arch: V41Arch, rope_cache, cache_layers, quant_config, layout) -> nn.ModuleList:

@@ -319,6 +319,7 @@ def _proposer(adaptive: bool):
     cfg = SimpleNamespace(
         additional_config={ADDITIONAL_CONFIG_KEY: {"num_speculative_tokens": 2, "adaptive": adaptive}},
         model_config=SimpleNamespace(max_model_len=128),
+        parallel_config=SimpleNamespace(data_parallel_size=1),
     )
     return DSparkProposer(cfg)
 
