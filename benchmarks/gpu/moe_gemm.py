@@ -10,12 +10,11 @@ GEMMs: w13 (N = 2 * 2304 = 4608, K = 5120) and w2 (N = 5120, K = 2304).
   * a tile sweep (act=bf16) on w13 at 1, 64 and 8192 tokens (``GEMM_SWEEP=0`` skips it).
 act="mxfp8" rows include the Triton activation quantiser.
 
-``python benchmarks/gpu/moe_gemm.py --gemv``: the decode comparison only (issue 34): at
-1 / 4 / 16 / 64 / 256 tokens, w13 and w2, today's ``grouped_fp4_gemm`` beside the decode GEMV
-``ops/triton/moe_gemv.grouped_fp4_gemv`` (default config, both acts, then on w13 at 1 / 64 / 256 tokens a config
-sweep unless ``GEMV_SWEEP=0``) and a plain reader of the same expert bytes (``read experts``: one program per
-16 KB of each touched expert's packed weight and scales, XOR-reduced). Same timing as every row
-(CUDA graph, L2 flushed before each call), same byte count, % of copy.
+``python benchmarks/gpu/moe_gemm.py --decode``: the decode rows of issue 34 only: at 1 / 4 / 16 / 64 /
+256 tokens, w13 and w2, ``grouped_fp4_gemm`` (both acts) beside a plain reader of the same expert bytes
+(``read experts``: one program per 16 KB of each touched expert's packed weight and scales,
+XOR-reduced). Same timing as every row (CUDA graph, L2 flushed before each call), same byte count,
+% of copy.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops import quant  # noqa: E402
 from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm  # noqa: E402
-from deepinfer_vllm.ops.triton.moe_gemv import grouped_fp4_gemv  # noqa: E402
 
 EXPERTS, LOCAL, TOP_K = 384, 48, 6
 GEMMS = [("w13", 4608, 5120), ("w2", 5120, 2304)]
@@ -40,14 +38,14 @@ DECODE_TOKENS = (1, 64, 256)
 PREFILL_TOKENS = 8192
 ACTS = ["bf16", "mxfp8"]
 SWEEP_DECODE = [
-    dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=1),
-    dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=2),
-    dict(BM=16, BN=32, BK=256, num_warps=4, num_stages=4, SPLIT=1),
+    dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4, SPLIT=1),
+    dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4, SPLIT=2),
+    dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=4, SPLIT=1),
     dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=1),
-    dict(BM=16, BN=128, BK=256, num_warps=8, num_stages=3, SPLIT=1),
-    dict(BM=16, BN=32, BK=512, num_warps=4, num_stages=3, SPLIT=2),
+    dict(BM=16, BN=128, BK=128, num_warps=8, num_stages=3, SPLIT=1),
+    dict(BM=16, BN=32, BK=64, num_warps=4, num_stages=3, SPLIT=2),
     # one row tile per program (GRID_M >= the row-tile bound): the persistent loop's balance A/B
-    dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=4, SPLIT=1, GRID_M=64),
+    dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4, SPLIT=1, GRID_M=64),
 ]
 SWEEP_PREFILL = [
     dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3),
@@ -120,20 +118,7 @@ def run(ceilings: Ceilings) -> list[Row]:
     return rows
 
 
-GEMV_TOKENS = (1, 4, 16, 64, 256)
-SWEEP_GEMV = [  # each changes one or two keys of gemv_config's choice
-    dict(PPS=2),
-    dict(PPS=4),
-    dict(STAGES=3),
-    dict(STAGES=6),
-    dict(VEC=8),
-    dict(VEC=16),
-    dict(BN=16, STAGES=6),
-    dict(num_warps=8),
-    dict(maxnreg=128),
-    dict(ROWS=4),
-    dict(DOT=True, BN=64, NB=4),
-]
+DECODE_ROWS_TOKENS = (1, 4, 16, 64, 256)
 
 
 @triton.jit
@@ -159,46 +144,29 @@ def _read_launcher(w: torch.Tensor, s: torch.Tensor, offs: torch.Tensor):
     return lambda: _read_experts[grid](wi, si, ids, out, wi.shape[1], si.shape[1], BLOCK=block, num_warps=4)
 
 
-def run_gemv(ceilings: Ceilings):
-    """Decode: today's kernel, the GEMV (default, then the sweep) and the plain reader. A
-    generator: each row is printed as soon as it is measured."""
+def run_decode(ceilings: Ceilings):
+    """Decode: the grouped kernel (both acts) and the plain reader of the same bytes. A generator:
+    each row is printed as soon as it is measured."""
     torch.manual_seed(0)
-    sweep = os.environ.get("GEMV_SWEEP", "1") == "1"
     for name, n, k in GEMMS:
         w, s = experts(n, k)
-        for tokens in GEMV_TOKENS:
+        for tokens in DECODE_ROWS_TOKENS:
             offs, r, touched = routing(tokens, seed=tokens)
             x = torch.randn(r, k, device="cuda").to(torch.bfloat16)
             nbytes = touched * (n * k // 2 + n * k // 32) + r * k * 2 + r * n * 2
             shape = f"T={tokens} rows={r} experts={touched}/{LOCAL}"
-            cases = [
-                ("grouped_fp4_gemm", "bf16", None, grouped_fp4_gemm),
-                ("grouped_fp4_gemv", "bf16", None, grouped_fp4_gemv),
-                ("grouped_fp4_gemv", "mxfp8", None, grouped_fp4_gemv),
-            ]
-            if sweep and name == "w13" and tokens in (1, 64, 256):
-                cases += [("sweep grouped_fp4_gemv", "bf16", c, grouped_fp4_gemv) for c in SWEEP_GEMV]
-            base = float("nan")
-            for label, act, cfg, fn in cases:
-                try:
-                    t = time_s(lambda fn=fn, act=act, cfg=cfg: fn(x, offs, w, s, act, config=cfg))  # noqa: B023
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    print(f"# {label} {name} {shape} {cfg}: {type(exc).__name__}: {exc}", flush=True)
-                    continue
-                if fn is grouped_fp4_gemm:
-                    base = t
+            for act in ACTS:
+                t = time_s(lambda act=act: grouped_fp4_gemm(x, offs, w, s, act))  # noqa: B023 - called at once
                 yield Row(
-                    kernel=f"{label} {name} act={act}",
-                    shape=shape + (f" {_cfg_name(cfg)}" if cfg else ""),
+                    kernel=f"grouped_fp4_gemm {name} act={act}",
+                    shape=shape,
                     seconds=t,
                     bytes=nbytes,
                     flops=2 * r * n * k,
-                    baseline="" if fn is grouped_fp4_gemm else "gemm bf16",
-                    baseline_seconds=base,
                 )
             t = time_s(_read_launcher(w, s, offs))
             yield Row(kernel=f"read experts {name}", shape=shape, seconds=t, bytes=nbytes)
 
 
 if __name__ == "__main__":
-    print_module(run_gemv if "--gemv" in sys.argv[1:] else run)
+    print_module(run_decode if "--decode" in sys.argv[1:] else run)

@@ -20,7 +20,6 @@ from test_fp8_gemm import ACTS, check, make_x
 
 from deepinfer_vllm.ops import quant, quant_gemm
 from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm
-from deepinfer_vllm.ops.triton.moe_gemv import grouped_fp4_gemv
 
 
 @functools.lru_cache(maxsize=2)
@@ -120,31 +119,25 @@ def test_moe_gemm_persistent_rows(device, act, split, grid_m):
     check_grouped(got, quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32), x, act, w, s, offs)
 
 
-# Both grouped FP4 kernels (tensor-core GEMM, decode GEMV ``test_moe_gemv.py``) and the rows a
-# GPU run gives each (prefill-sized for the GEMM, decode-sized for the GEMV).
-KERNELS = [pytest.param(grouped_fp4_gemm, 192, id="gemm"), pytest.param(grouped_fp4_gemv, 48, id="gemv")]
-
-
-@pytest.mark.parametrize("kernel,gpu_rows", KERNELS)
+@pytest.mark.parametrize("gpu_rows", [48, 192])  # decode- and prefill-sized on the GPU
 @pytest.mark.parametrize("act", ACTS)
-def test_moe_gemm_deterministic(device, act, kernel, gpu_rows):
+def test_moe_gemm_deterministic(device, act, gpu_rows):
     e, n, k, r = (5, 64, 128, 30) if INTERPRET else (48, 4608, 5120, gpu_rows)
     w, s = make_experts(e, n, k, seed=1, device=device)
     x = make_x(r, k, seed=2, device=device)
     offs = make_offsets(e, r, seed=3, device=device)
-    a = kernel(x, offs, w, s, act)
-    b = kernel(x, offs, w, s, act)
+    a = grouped_fp4_gemm(x, offs, w, s, act)
+    b = grouped_fp4_gemm(x, offs, w, s, act)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("kernel,gpu_rows", KERNELS)
 @pytest.mark.parametrize("act", ["bf16", "mxfp8"])
-def test_moe_gemm_all_rows_past_offsets(device, act, kernel, gpu_rows):
+def test_moe_gemm_all_rows_past_offsets(device, act):
     w, s = make_experts(4, 64, 128, seed=9, device=device)
     x = make_x(20, 128, seed=9, device=device)
     offs = torch.zeros(5, dtype=torch.int32, device=device)
     poison_(torch.empty(20, 64, dtype=torch.bfloat16, device=device))
-    got = kernel(x, offs, w, s, act)
+    got = grouped_fp4_gemm(x, offs, w, s, act)
     assert torch.equal(got.float(), torch.zeros(20, 64, device=device))
 
 

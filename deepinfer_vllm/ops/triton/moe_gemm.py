@@ -352,7 +352,7 @@ def tile_k(k: int, bk: int) -> int:
 def check_grouped_args(
     x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act: str
 ) -> None:
-    """The arguments of a grouped FP4 GEMM (this module's and ``moe_gemv``'s), checked from
+    """The arguments of a grouped FP4 GEMM, checked from
     shapes and dtypes only (the offsets' values are not read: that would synchronise)."""
     if act not in ACT_MODES:
         raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
