@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from deepinfer_vllm.model_executor.layers.parallel import all_reduce
 from deepinfer_vllm.ops.eplb import (
     ExpertMove,
     ExpertPlacement,
@@ -290,8 +291,6 @@ class ExpertBalancer:
 
     def _step_imbalance(self) -> float:
         """This step's max/mean tokens per rank (summed over layers; one small all-reduce)."""
-        from deepinfer_vllm.model_executor.layers.parallel import all_reduce
-
         counts = all_reduce(self.group, self.load_pass.clone())
         per_rank = counts.view(self.num_layers, self.ranks, self.per_rank).sum((0, 2))
         return float(imbalance(per_rank)) if int(per_rank.sum()) else float("nan")
@@ -300,8 +299,6 @@ class ExpertBalancer:
     def window_loads(self) -> torch.Tensor:
         """Tokens per logical expert over the window, summed over the expert group ``[layers, logical]``
         (host tensor)."""
-        from deepinfer_vllm.model_executor.layers.parallel import all_reduce
-
         per_slot = self.window.sum(0)
         phy_to_log = self.placement.phy_to_log.to(self.device)
         logical = torch.zeros(self.num_layers, self.logical, dtype=torch.int64, device=self.device)

@@ -53,37 +53,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # on the benchmarked decode/prefill shapes, so only the programs without work go away.
 _PROGRAMS_PER_SM = 16
 
-# $2: 4 packed bytes (8 codes). $0: e4m3 bytes of the low nibbles, $1: of the high nibbles.
-_E2M1_E4M3_PTX = tl.constexpr("""{
-.reg .b32 a, b;
-shl.b32 a, $2, 4;
-and.b32 a, a, 0x80808080;
-shl.b32 b, $2, 2;
-and.b32 b, b, 0x1C1C1C1C;
-or.b32 $0, a, b;
-shr.b32 b, $2, 2;
-and.b32 b, b, 0x1C1C1C1C;
-and.b32 a, $2, 0x80808080;
-or.b32 $1, a, b;
-}""")
-
-
-@triton.jit
-def e2m1_e4m3_x64(packed, BN: tl.constexpr, BKH: tl.constexpr, ASM: tl.constexpr):
-    """Packed codes ``[BN, BKH]`` (uint8) -> e4m3 ``[BN, 2 * BKH]`` in element order, each the
-    code's value times 2^-6 (exact)."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            _E2M1_E4M3_PTX, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4
-        )
-    else:
-        c = packed & 15
-        lo = ((c & 7) << 2) | ((c & 8) << 4)
-        c = packed >> 4
-        hi = ((c & 7) << 2) | ((c & 8) << 4)
-    return tl.reshape(tl.join(lo, hi), [BN, 2 * BKH]).to(tl.float8e4nv, bitcast=True)
-
-
 # $4: 4 packed bytes b0..b3 (8 codes) of one 32-code block, $5: that block's UE8M0 scale s.
 # Out, bf16x2 each: $0 = (b0 lo, b1 lo), $1 = (b2 lo, b3 lo), $2 = (b0 hi, b1 hi), $3 = (b2 hi, b3 hi),
 # every value code * 2^(s - 127). A code ``s e1 e0 m`` placed as the bf16 bits ``s 00000 e1 e0 m 000000``
