@@ -28,9 +28,10 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
-from deepinfer_vllm.ops import quant  # noqa: E402
-from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm  # noqa: E402
+from benchmarks.gpu.common import Ceilings, Row, print_module, time_s
+from deepinfer_vllm.ops import quant
+from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm, moe_config
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_config
 
 EXPERTS, LOCAL, TOP_K = 384, 48, 6
 GEMMS = [("w13", 4608, 5120), ("w2", 5120, 2304)]
@@ -159,6 +160,21 @@ def run_decode(ceilings: Ceilings):
                 t = time_s(lambda act=act: grouped_fp4_gemm(x, offs, w, s, act))  # noqa: B023 - called at once
                 yield Row(
                     kernel=f"grouped_fp4_gemm {name} act={act}",
+                    shape=shape,
+                    seconds=t,
+                    bytes=nbytes,
+                    flops=2 * r * n * k,
+                )
+            # the same call on the Triton kernel (design 2) and on Gluon ring depths, act=bf16
+            variants = [("triton", moe_config(r, LOCAL, n, k))]
+            variants += [
+                (f"gluon NS={ns} maxnreg={m}", dict(gluon_config(r, LOCAL, n, k), NS=ns, MAXNREG=m))
+                for ns, m in ((4, 96), (3, None), (6, 96))
+            ]
+            for label, cfg in variants:
+                t = time_s(lambda cfg=cfg: grouped_fp4_gemm(x, offs, w, s, "bf16", config=cfg))  # noqa: B023
+                yield Row(
+                    kernel=f"grouped_fp4_gemm {name} act=bf16 {label}",
                     shape=shape,
                     seconds=t,
                     bytes=nbytes,

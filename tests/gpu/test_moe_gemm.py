@@ -20,17 +20,23 @@ from test_fp8_gemm import ACTS, check, make_x
 
 from deepinfer_vllm.ops import quant, quant_gemm
 from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_moe_supported
 
 
 @functools.lru_cache(maxsize=2)
 def make_experts(e: int, n: int, k: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed E2M1 experts, per-32 scales spread over 9 binades; built on the device (cached)."""
+    """Packed E2M1 experts, per-32 scales spread over 9 binades; built on the device one expert at a
+    time (the fp32 tensors of all 48 Flash experts at once would not leave room for eight test
+    workers on one GPU), cached."""
     g = torch.Generator(device=device).manual_seed(seed)
-    w = torch.randn(e, n, k, generator=g, device=device) * 0.02
-    sc = torch.randint(-5, 4, (e, n, k // 32, 1), generator=g, device=device).float()
-    w = w * torch.exp2(sc).expand(e, n, k // 32, 32).reshape(e, n, k)
-    v, s = quant.quant_fp4_rows(w)
-    return v.view(torch.int8), s.view(torch.float8_e8m0fnu)
+    vs, ss = [], []
+    for _ in range(e):
+        w = torch.randn(n, k, generator=g, device=device) * 0.02
+        sc = torch.randint(-5, 4, (n, k // 32, 1), generator=g, device=device).float()
+        v, s = quant.quant_fp4_rows(w * torch.exp2(sc).expand(n, k // 32, 32).reshape(n, k))
+        vs.append(v)
+        ss.append(s)
+    return torch.stack(vs).view(torch.int8), torch.stack(ss).view(torch.float8_e8m0fnu)
 
 
 def make_offsets(e: int, r: int, seed: int, device, tail: int = 3, dtype=torch.int32) -> torch.Tensor:
@@ -166,3 +172,47 @@ def test_moe_gemm_cuda_graph(device, act, r):
         torch.cuda.synchronize()
         want = grouped_fp4_gemm(x_new, offs_new, w, s, act)
         assert torch.equal(out_static.view(torch.int16), want.view(torch.int16))
+
+
+GLUON_CONFIGS = [
+    dict(BT=8, SPLIT=1, MAXNREG=96),
+    dict(BT=16, SPLIT=4, NS=3, MAXNREG=96),
+    dict(BT=16, SPLIT=1),
+    dict(BT=32, SPLIT=2),
+    dict(BT=64, SPLIT=1, NS=6),
+]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", range(len(GLUON_CONFIGS)))
+@pytest.mark.parametrize(
+    "e,n,k,r",
+    [(5, 64, 128, 40), (7, 128, 384, 50), (4, 64, 256, 1), (48, 4608, 5120, 6), (48, 5120, 2304, 200)],
+)
+def test_moe_gemm_gluon_matches_reference(device, act, out_dtype, cfg, e, n, k, r):
+    """The Gluon decode kernel (``moe_gemm_gluon``), every token tile, split and ring depth."""
+    w, s = make_experts(e, n, k, seed=e + n + k, device=device)
+    x = make_x(r, k, seed=r, device=device)
+    assert gluon_moe_supported(x, w.view(torch.uint8), 1)
+    offs = make_offsets(e, r, seed=r + e + cfg, device=device, tail=min(3, r - 1))
+    poison_(torch.empty(r, n, dtype=out_dtype, device=device))
+    got = grouped_fp4_gemm(x, offs, w, s, act, out_dtype, config=GLUON_CONFIGS[cfg])
+    ref = quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32)
+    check_grouped(got, ref, x, act, w, s, offs)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+def test_moe_gemm_gluon_every_scale_byte(device):
+    """The Gluon kernel's scale path with every scale byte it takes (0..128) on one expert."""
+    e, n, k, r = 2, 64, 128 * 8, 16
+    w, s = make_experts(e, n, k, seed=7, device=device)
+    su = s.view(torch.uint8).clone()
+    su[0] = torch.arange(su[0].numel(), device=device).reshape(su[0].shape) % 129
+    s = su.view(torch.float8_e8m0fnu)
+    x = make_x(r, k, seed=3, device=device)
+    offs = torch.tensor([0, 9, 16], dtype=torch.int32, device=device)
+    got = grouped_fp4_gemm(x, offs, w, s, "bf16", torch.float32, config=dict(BT=16, SPLIT=1))
+    ref = quant_gemm.grouped_fp4_gemm(x, offs, w, s, "bf16", torch.float32)
+    check_grouped(got, ref, x, "bf16", w, s, offs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_vllm.ops.quant import e2m1_decode
-from deepinfer_vllm.ops.triton import e2m1, moe_gemm
+from deepinfer_vllm.ops.triton import e2m1, moe_gemm, moe_gemm_gluon
 from tests.ops.ptx_subset import run_ptx
 
 
@@ -88,3 +88,18 @@ def test_expert_bf16_ptx():
                 want = (e2m1_decode(code).double() * 2.0 ** (s - 127)).to(torch.bfloat16)
                 got = ((out >> (16 * half)) & 0xFFFF).to(torch.int16)
                 assert torch.equal(got, want.view(torch.int16)), (s, first, nib, half)
+
+
+def test_expert_pair_ptx():
+    """The Gluon expert GEMM's decode (``moe_gemm_gluon.E2M1_PAIR_PTX``): one word (bytes b0..b3) and
+    the bf16x2 multiplier 2^(s - 1) -> eight bf16 outputs (b0 lo, b0 hi, b1 lo, ...), each code times
+    2^(s - 127), bit for bit, for every pattern of bytes 0-1 (bytes 2-3 random) and every scale byte
+    the kernel takes (0 .. 128)."""
+    x = torch.randint(0, 1 << 32, (1 << 12,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
+    x = torch.cat([x, torch.arange(1 << 16, dtype=torch.int64) * 0x10001])
+    for s in [0, 1, 2, 64, 100, 119, 121, 126, 127, 128]:
+        outs = run_ptx(moe_gemm_gluon.E2M1_PAIR_PTX, 8, [x, torch.tensor(s * 0x00800080 + 0x3F003F00)])
+        for j, out in enumerate(outs):
+            code = ((x >> (4 * j)) & 0xF).to(torch.uint8)  # output j: byte j // 2, nibble j % 2
+            want = (e2m1_decode(code).double() * 2.0 ** (s - 127)).to(torch.bfloat16)
+            assert torch.equal((out & 0xFFFF).to(torch.int16), want.view(torch.int16)), (s, j)

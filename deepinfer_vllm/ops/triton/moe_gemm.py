@@ -43,8 +43,17 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
     store_tile,
     weight_bytes,
 )
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_grouped_fp4_gemm, gluon_moe_supported
 
 __all__ = ["check_grouped_args", "grouped_fp4_gemm", "moe_config"]
+
+
+def _use_gluon(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, e_count: int) -> bool:
+    """Decode-sized row tiles (at most 64 rows per expert on average) on sm90 go to the Gluon kernel
+    (``moe_gemm_gluon``); prefill and other devices stay here."""
+    rows_per_expert = triton.cdiv(x.shape[0], e_count)
+    return out.dtype in (torch.float32, torch.bfloat16) and gluon_moe_supported(x, w, rows_per_expert)
+
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Programs along the row tiles: about this many per SM over the whole grid (at least one row
@@ -369,6 +378,8 @@ def grouped_fp4_gemm(
         return out
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
+    if config is not None and "BT" in config or config is None and _use_gluon(xv, w, out, e_count):
+        return gluon_grouped_fp4_gemm(xv, expert_offsets, w, s, out, config=config)
     cfg = dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device))
     cfg["BK"] = tile_k(k, cfg["BK"])
     cfg, split, k_per_split = split_k(cfg, k)

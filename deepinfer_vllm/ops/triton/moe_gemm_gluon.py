@@ -1,0 +1,350 @@
+"""Routed-expert grouped FP4 GEMM for decode on Hopper, in Gluon: weights decoded into the wgmma A fragment.
+
+Same arguments and numbers as ``moe_gemm.grouped_fp4_gemm`` (and its reference
+``ops.quant_gemm.grouped_fp4_gemm``): rows ``offsets[e]:offsets[e+1]`` of ``x`` times expert ``e``'s
+decoded weight, fp32 accumulation, one rounding, zeros past ``offsets[-1]``; the same persistent walk
+over row tiles (no host synchronisation, capturable) and the same split-K reduction.
+
+Why a second kernel: the Triton kernel decodes E2M1 in registers, but Triton then moves the decoded
+bf16 tile through shared memory (``ldmatrix``) into the MMA's register operand: about ten bytes of
+shared-memory traffic per weight byte, which bounds it (benchmarks/README.md). Here the weights are
+the MMA's A operand (64 weight rows per warpgroup instruction, the few token rows of an expert on its
+narrow N side) and each thread decodes exactly the values its A fragment holds:
+
+* K is reordered inside every 128-column tile, for the weights and ``x`` alike (a sum does not care):
+  thread lane ``q = lane % 4`` owns the tile's 16 packed bytes ``16q .. 16q + 15`` of each of its two
+  rows, which are exactly one 32-code scale block. Byte ``b`` of that run holds the codes of logical
+  columns ``2P, 2P + 1`` with ``P = 8 (b // 2) + 4 (b % 2) + q``, the columns the wgmma A fragment
+  gives that lane in k-step ``b // 2``. ``x``'s column pair ``P`` is therefore read from physical pair
+  ``16q + b`` when it is staged in shared memory (4-byte copies).
+* A lane's bytes arrive by one 16-byte ``cp.async`` per row and tile into a shared-memory ring that
+  only that lane reads back (no barrier for the weights), 1 byte of shared traffic each way.
+* The decode (``E2M1_PAIR_PTX``) turns each byte into one bf16x2 register, low nibble in the low
+  half: ``prmt`` puts the byte and the byte shifted by 4 into the two halves, then the integer
+  placement and bf16x2 scale multiply of ``moe_gemm`` (exact for scale bytes <= ``MAX_SCALE_BYTE``).
+  The registers are already the A fragment: the layout conversion is checked trivial at compile time.
+* ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) and the CTA's scale words (once, at
+  the start) go through shared memory; one barrier per tile hands the ``x`` tile to the wgmma.
+
+Only for K a multiple of 128, N a multiple of 64, up to 64 rows per expert tile (decode); larger row
+tiles (prefill) stay on the Triton kernel. sm90 only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+except Exception:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+__all__ = ["E2M1_PAIR_PTX", "GLUON_AVAILABLE", "gluon_grouped_fp4_gemm", "gluon_moe_supported"]
+
+GLUON_AVAILABLE = gluon is not None
+
+
+def _pair_ptx(o: int) -> str:
+    """Byte ``o`` of ``$8`` -> ``($2o, $2o+1)``: ``prmt`` puts the byte in bits 0..7 and ``v``'s (the word
+    shifted right by 4) in bits 16..23; the mask keeps the two codes; one IMAD places each as
+    ``s 00000 e1 e0 m 000000``; the mask drops the rest; one bf16x2 multiply by ``$9`` scales both."""
+    return f"""prmt.b32 u, $8, v, 0x{((4 + o) << 8) | o:04X};
+and.b32 t, u, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, $9;
+mov.b32 {{${2 * o}, ${2 * o + 1}}}, t;
+"""
+
+
+# $8: one 32-bit word, packed bytes b0..b3 (8 codes); $9: the bf16x2 multiplier 2^(s - 1) in both
+# halves. Out: $0..$7 bf16 = (b0 lo, b0 hi, b1 lo, b1 hi, ...), each code * 2^(s - 127) (a code placed as
+# ``s 00000 e1 e0 m 000000`` is its value times 2^-126). 21 instructions for 8 codes.
+E2M1_PAIR_PTX = "{\n.reg .b32 v, u, t;\nshr.b32 v, $8, 4;\n" + "".join(_pair_ptx(o) for o in range(4)) + "}"
+
+BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
+BK = 128  # K per tile: 16 packed bytes = one scale block per lane and row
+_PROGRAMS_PER_SM = 16
+
+
+def gluon_moe_supported(x: torch.Tensor, weight: torch.Tensor, rows_per_expert: int) -> bool:
+    """sm90 with Gluon, N a multiple of 64, K of 128, 16-byte aligned rows, decode-sized row tiles."""
+    if not (GLUON_AVAILABLE and x.is_cuda) or rows_per_expert > 64:
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    _, n, kh = weight.shape
+    return n % BM == 0 and (2 * kh) % BK == 0 and weight.stride(1) % 16 == 0 and weight.data_ptr() % 16 == 0
+
+
+if GLUON_AVAILABLE:
+    _BM = gl.constexpr(BM)
+    _BK = gl.constexpr(BK)
+    _PAIR_PTX = gl.constexpr(E2M1_PAIR_PTX)
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _decode_tile(words, f, DOT_A: gl.constexpr):
+        """``words [64, 16]`` int32 (lane q's four words per row are its 16 bytes) and the per-word bf16x2
+        multiplier ``f`` -> the ``[64, 128]`` bf16 A fragment in the reordered K."""
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _PAIR_PTX,
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+            [words, f],
+            dtype=(gl.bfloat16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+        # [64, 16 (w = 4q + t), 2 (nibble e), 2 (byte bit 0), 2 (byte bit 1)]
+        v = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+        v = gl.reshape(v, [64, 4, 4, 2, 2, 2])  # [row, q, t, e, o0, o1]
+        v = gl.permute(v, (0, 2, 5, 4, 1, 3))  # [row, t, o1, o0, q, e]: column 32t + 16o1 + 8o0 + 2q + e
+        v = gl.reshape(v, [64, 128])
+        return gl.convert_layout(v, DOT_A, assert_trivial=True)
+
+    @gluon.jit
+    def _issue_tile(w_s, x_s, stage, w_row_ptr, x_pair_ptr, x_mask, kt):
+        """cp.async of K tile ``kt`` (this CTA's numbering) into ring stage ``stage``."""
+        async_copy.async_copy_global_to_shared(w_s.index(stage), w_row_ptr + kt * (_BK // 8))
+        async_copy.async_copy_global_to_shared(x_s.index(stage), x_pair_ptr + kt * (_BK // 2), mask=x_mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _moe_gemm_gluon_kernel(
+        x_ptr,  # int32 view of bf16 x [R, K]: column pairs
+        w_ptr,  # int32 view of packed weights [E, N, K/8 words]
+        ws_ptr,  # int32 view of scales [E, N, K/128 words]
+        off_ptr,
+        out_ptr,
+        R,
+        N,
+        K,
+        E,
+        stride_xm,  # in int32 words
+        stride_we,
+        stride_wn,  # in int32 words
+        stride_wse,
+        stride_wsn,  # in int32 words
+        stride_om,
+        kt_per_split,  # K tiles per split
+        ROW_TILES,
+        EP: gl.constexpr,
+        BT: gl.constexpr,  # token rows per tile (wgmma N)
+        NS: gl.constexpr,  # ring stages
+        SPLIT: gl.constexpr,
+        OUT_BF16: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        grid_m = gl.num_programs(1)
+        pid_k = gl.program_id(2)
+
+        # Layouts. Words [64, 16]: lane q = lane % 4 holds words 4q..4q+3 (registers t) of rows
+        # 16 warp + lane // 4 and + 8, the rows and K columns of its wgmma A fragment.
+        WL: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[64, 16],
+        )
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16]
+        )
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        # x pairs [BT, 64]: every element copied by one thread
+        XL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16] if BT >= 16 else [1, 32], [4, 1], [1, 0])
+        EL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        XS32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+
+        w_s = gl.allocate_shared_memory(gl.int32, [NS, 64, 16], PLAIN2)
+        x_s = gl.allocate_shared_memory(gl.int32, [NS, BT, 64], XS32)
+
+        # Each expert's row tiles, from the offsets (no host read).
+        eidx = gl.arange(0, EP, layout=EL)
+        emask = eidx < E
+        lo = gl.load(off_ptr + eidx, mask=emask, other=0).to(gl.int32)
+        hi = gl.load(off_ptr + eidx + 1, mask=emask, other=0).to(gl.int32)
+        nblk = gl.where(emask, (gl.maximum(hi - lo, 0) + BT - 1) // BT, 0)
+        cum = gl.associative_scan(nblk, 0, _add)
+        total = gl.sum(nblk, 0)
+        if SPLIT == 1:
+            end = total + (gl.maximum(R - gl.load(off_ptr + E).to(gl.int32), 0) + BT - 1) // BT
+        else:
+            end = total
+        end = gl.minimum(end, ROW_TILES)
+
+        n0 = pid_n * _BM
+        kt_lo = pid_k * kt_per_split
+        n_kt = gl.minimum(kt_per_split, K // _BK - kt_lo)
+
+        # Per-thread index tensors.
+        w_r = gl.arange(0, 64, layout=gl.SliceLayout(1, WL))
+        w_c = gl.arange(0, 16, layout=gl.SliceLayout(0, WL))
+        x_r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
+        x_c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+        # logical pair P = 8s + 4j + q sits at physical pair 16q + 2s + j of the tile
+        x_phys = 16 * (x_c % 4) + 2 * (x_c // 8) + (x_c // 4) % 2
+        shift = 8 * (w_c // 4)  # lane q's scale byte in the row's tile word
+        a_r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+        a_c = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
+
+        for t in range(pid_m, end, grid_m):
+            if t < total:
+                e = gl.sum((cum <= t).to(gl.int32), 0)
+                sel = eidx == e
+                row0 = gl.sum(gl.where(sel, lo, 0), 0) + (t - gl.sum(gl.where(sel, cum - nblk, 0), 0)) * BT
+                row_end = gl.sum(gl.where(sel, hi, 0), 0)
+                w_row_ptr = (
+                    w_ptr
+                    + e.to(gl.int64) * stride_we
+                    + (n0 + w_r).to(gl.int64)[:, None] * stride_wn
+                    + (kt_lo * (_BK // 8) + w_c)[None, :]
+                )
+                tok = row0 + x_r
+                x_mask = (tok < row_end)[:, None] & (x_c < 64)[None, :]
+                x_pair_ptr = (
+                    x_ptr + tok.to(gl.int64)[:, None] * stride_xm + (kt_lo * (_BK // 2) + x_phys)[None, :]
+                )
+                # each row's scale word of a K tile (lane q takes byte q), one tile ahead in registers
+                s_row_ptr = (
+                    ws_ptr + e.to(gl.int64) * stride_wse + (n0 + w_r).to(gl.int64) * stride_wsn + kt_lo
+                )
+                gl.thread_barrier()  # the previous tile's readers are done with every buffer
+                for i in gl.static_range(NS - 1):
+                    if i < n_kt:
+                        _issue_tile(w_s, x_s, i, w_row_ptr, x_pair_ptr, x_mask, i)
+                    else:
+                        async_copy.commit_group()
+                acc = gl.zeros([64, BT], gl.float32, ACC)
+                sw_next = gl.load(s_row_ptr)
+                for kt in range(n_kt):
+                    stage = kt % NS
+                    async_copy.wait_group(NS - 2)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    nxt = kt + NS - 1
+                    if nxt < n_kt:
+                        _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
+                    else:
+                        async_copy.commit_group()
+                    sw = sw_next
+                    sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
+                    words = w_s.index(stage).load(WL)
+                    sb = (sw[:, None] >> shift[None, :]) & 0xFF
+                    f = sb * 0x00800080 + 0x3F003F00
+                    a = _decode_tile(words, f, DOT_A)
+                    xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
+                    acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+                # epilogue: acc[n, token]
+                omask = (row0 + a_c < row_end)[None, :] & (a_r < 64)[:, None]
+                if SPLIT > 1:
+                    optr = (
+                        out_ptr
+                        + pid_k.to(gl.int64) * R * N
+                        + (row0 + a_c).to(gl.int64)[None, :] * N
+                        + (n0 + a_r)[:, None]
+                    )
+                    gl.store(optr, acc, mask=omask)
+                else:
+                    optr = out_ptr + (row0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
+                    if OUT_BF16:
+                        gl.store(optr, acc.to(gl.bfloat16), mask=omask)
+                    else:
+                        gl.store(optr, acc, mask=omask)
+            elif SPLIT == 1:
+                # past the last expert tile: zero the rows after offsets[E]
+                zr = gl.load(off_ptr + E).to(gl.int32) + (t - total) * BT + a_c
+                optr = out_ptr + zr.to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
+                zmask = (zr < R)[None, :] & (a_r < 64)[:, None]
+                z = gl.zeros([64, BT], gl.float32, ACC)
+                if OUT_BF16:
+                    gl.store(optr, z.to(gl.bfloat16), mask=zmask)
+                else:
+                    gl.store(optr, z, mask=zmask)
+        async_copy.wait_group(0)
+
+
+def gluon_config(r: int, e_count: int, n: int, k: int, sms: int = 132) -> dict:
+    """Token tile from the mean rows per expert (the wgmma's N: 8, 16, 32 or 64); K split while fewer
+    than two programs per SM would have work. Up to 16 token rows, 96 registers a thread (no spills)
+    let five CTAs share an SM instead of four: the kernel's stalls are latency, and a fifth CTA's loads
+    hide more of it."""
+    mean_rows = triton.cdiv(r, e_count)
+    bt = 8 if mean_rows <= 4 else 16 if mean_rows <= 16 else (32 if mean_rows <= 32 else 64)
+    cfg = {"BT": bt, "NS": 3, "MAXNREG": 96 if bt <= 16 else None}
+    tiles = min(r, e_count) * triton.cdiv(mean_rows, bt) * (n // BM)
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= min(8, (k // BK) // 2):
+        split *= 2
+    cfg["SPLIT"] = split
+    return cfg
+
+
+def gluon_grouped_fp4_gemm(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (rows 4-byte aligned),
+    ``w`` uint8 [E, N, K/2], ``s`` uint8 [E, N, K/32] (the checked arguments of
+    ``moe_gemm.grouped_fp4_gemm``)."""
+    from deepinfer_vllm.ops.triton.fp8_gemm import sm_count, splitk_reduce
+
+    e_count, n, _ = w.shape
+    r, k = x.shape
+    sms = sm_count(x.device)
+    cfg = dict(config) if config else gluon_config(r, e_count, n, k, sms)
+    bt, ns = cfg["BT"], cfg.get("NS", 3)
+    k_tiles = k // BK
+    kt_per_split = triton.cdiv(k_tiles, cfg.get("SPLIT", 1))
+    split = triton.cdiv(k_tiles, kt_per_split)
+    target = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    n_tiles = n // BM
+    row_tiles = min(r, triton.cdiv(r, bt) + e_count + 1)
+    grid_m = cfg.get("GRID_M") or max(1, min(row_tiles, _PROGRAMS_PER_SM * sms // (n_tiles * split)))
+    xi = x.view(torch.int32)
+    wi = w.view(torch.int32)
+    si = s.view(torch.int32)
+    _moe_gemm_gluon_kernel[(n_tiles, grid_m, split)](
+        xi,
+        wi,
+        si,
+        expert_offsets,
+        target,
+        r,
+        n,
+        k,
+        e_count,
+        xi.stride(0),
+        wi.stride(0),
+        wi.stride(1),
+        si.stride(0),
+        si.stride(1),
+        out.stride(0),
+        kt_per_split,
+        row_tiles,
+        EP=triton.next_power_of_2(e_count),
+        BT=bt,
+        NS=ns,
+        SPLIT=split,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=4,
+        maxnreg=cfg.get("MAXNREG"),
+    )
+    if split > 1:
+        splitk_reduce(target, out, expert_offsets[e_count:])
+    return out
