@@ -21,6 +21,16 @@ Run on the GPU host through the carried vLLM sources:
 ``bash tests/gpu_model/run.sh --python benchmarks/gpu_model.py`` (``--quick``: batch 1 and
 64 at 8K only). ``--dry-run`` runs the same code on the CPU at tiny dimensions (no timings
 worth reading; it checks the benchmark itself).
+
+``--engram`` (issue 36) runs instead the decode cases of an Engram layer with its rows in device
+memory and in host memory (vLLM's ``engram_config`` ``cpu_offload``; on CUDA the rows are read
+through a device view of registered host memory, ``model_executor.engram_host``), graphed, and prints
+the two times and their ratio. Layer 0 cannot hold Engram, so the model is two layers: a window-only
+layer, then the full CSA2 layer above with Engram (``engram_layer_config``). Its table has the rows of
+one rank's shard of a Flash table at EP=8 (``engram_vocab_size / EP``: about 48 M rows, 12.7 GB), held
+whole by this rank, so every lookup of its tokens is served from it (as from a host copy shared by
+the data-parallel ranks); ``--dry-run --engram`` runs the same code on the CPU (the host path
+through the same gather, the CPU standing in for the device).
 """
 
 from __future__ import annotations
@@ -72,6 +82,8 @@ def fill_parameters(model: torch.nn.Module, seed: int = 0) -> None:
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         d = p.data
+        if ".engram.embed." in name:
+            continue  # fill_engram_rows: the rows may be in host memory, and are many
         if d.dtype == torch.float8_e8m0fnu:
             d.view(torch.uint8).fill_(E8M0_SCALE)
         elif d.dtype == torch.float8_e4m3fn:
@@ -84,6 +96,147 @@ def fill_parameters(model: torch.nn.Module, seed: int = 0) -> None:
             d.zero_()
         else:
             d.copy_(torch.randn(d.shape, generator=g, device=d.device) * 0.02)
+
+
+def engram_layer_config(preset: str) -> dict:
+    """Two layers: a window-only layer (layer 0 cannot hold Engram), then the full CSA2 layer of
+    ``layer_config`` with an Engram table of one EP rank's share of the preset's table rows."""
+    from deepinfer_vllm.ops.engram import engram_primes
+
+    cfg = layer_config(preset)
+    t = cfg["text_config"]
+    full = get_preset_text(preset)
+    vocab = max(full["engram_vocab_size"] // EP, 2)
+    primes = engram_primes([1], full["engram_max_ngram_size"], full["engram_n_heads"], vocab)
+    t.update(
+        num_hidden_layers=2,
+        compress_ratios=[0, 2],
+        kv_source_layer_ids=[1],
+        index_source_layer_ids=[1],
+        engram_layer_ids=[1],
+        engram_vocab_size=vocab,
+        engram_num_embeddings=[sum(sum(order) for order in primes[1])],
+        engram_compressed_vocab_size=full["engram_compressed_vocab_size"] or full["vocab_size"],
+    )
+    return cfg
+
+
+def get_preset_text(preset: str) -> dict:
+    from deepinfer_vllm.tools.presets import get_preset
+
+    return get_preset(preset)["text_config"]
+
+
+def whole_engram_tables() -> None:
+    """This rank holds its Engram tables whole and serves every lookup of its tokens (the table is
+    already a shard's size): no row is another rank's."""
+    from deepinfer_vllm.model_executor.layers import v41_engram
+    from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
+
+    init = v41_engram.EngramTable.__init__
+
+    def whole(self, num_rows, dim, layout, placement=None, tag="table"):
+        init(self, num_rows, dim, ParallelLayout(), placement, tag)
+
+    v41_engram.EngramTable.__init__ = whole
+
+
+def fill_engram_rows(model: torch.nn.Module, seed: int = 0) -> None:
+    """Engram rows set to random E4M3 values with scale 2^-6 (in blocks of rows, on the device where
+    there is one, then copied to wherever the rows live); the tables' token map set (nothing loads a
+    tokenizer here)."""
+    arch = model.arch
+    fill_on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    g = torch.Generator(device=fill_on).manual_seed(seed)
+    for layer in model.layers:
+        if layer.engram is None:
+            continue
+        table = layer.engram.embed
+        table.scale.data.view(torch.uint8).fill_(E8M0_SCALE)
+        rows = table.weight.data
+        for start in range(0, rows.shape[0], 1 << 20):
+            part = rows[start : start + (1 << 20)]
+            values = torch.randn(part.shape, generator=g, device=fill_on).to(torch.float8_e4m3fn)
+            part.copy_(values)
+    old2new = torch.arange(arch.vocab_size) % arch.engram_compressed_vocab_size
+    model.engram_tables.set_vocab(old2new)
+
+
+def engram_main(args, device: torch.device, cases: list[tuple[int, int]]) -> None:
+    """Decode steps of the Engram model with its rows in device memory and in host memory."""
+    from v41_harness import PagedHarness
+
+    from deepinfer_vllm.tools.make_checkpoint import write_config
+
+    block = 16
+    max_len = max(ctx for _, ctx in cases) + block
+    need_blocks = max(b * -(-(ctx + 1) // block) for b, ctx in cases) + 8
+    emulate_expert_shard()
+    whole_engram_tables()
+    if device.type == "cpu":  # the CPU stands in for a device: its platform declares the device view
+        import vllm.platforms
+
+        type(vllm.platforms.current_platform).engram_host_transfer = "uva"
+    os.environ.setdefault("DEEPINFER_ATTENTION_KERNELS", "torch" if args.dry_run else "triton")
+    model_dir = write_config(
+        tempfile.mkdtemp(prefix="gpu_model_engram_"),
+        config=engram_layer_config("tiny" if args.dry_run else "flash"),
+    )
+    times: dict[tuple[str, int, int], float] = {}
+    for where in ("device", "host"):
+        harness = PagedHarness(
+            str(model_dir),
+            dtype="bfloat16",
+            device=str(device),
+            block_size=block,
+            num_blocks=need_blocks,
+            max_model_len=max_len,
+            load_weights=False,
+            ring_blocks=max(b for b, _ in cases) + 8,
+            max_num_seqs=max(b for b, _ in cases),
+            max_num_batched_tokens=max(b for b, _ in cases),
+            engram_config={"cpu_offload": where == "host"},
+        )
+        model, arch = harness.model, harness.model.arch
+        assert model.engram_placement.host == (where == "host"), model.engram_placement.note
+        fill_parameters(model)
+        fill_engram_rows(model)
+        table = model.layers[1].engram.embed
+        row_bytes = table.weight.shape[1] + table.scale.shape[1]
+        if where == "device":
+            print(
+                f"Engram table: {table.weight.shape[0]:,} rows x {row_bytes} B = "
+                f"{table.weight.shape[0] * row_bytes / 1e9:.2f} GB, {arch.engram_n_columns} rows per token"
+            )
+        print(f"rows in {where} memory: {model.engram_placement.note}")
+        for n_case, (batch, ctx) in enumerate(cases):
+            harness.reset()
+            rids = [f"e{n_case}_{i}" for i in range(batch)]
+            for rid in rids:
+                harness.add_context(rid, ctx)
+            step = [(rid, [token(i, arch)]) for i, rid in enumerate(rids)]
+            ids, positions, metadata = harness.prepare(step, table_width=-(-max_len // block))
+            for meta in metadata.values():
+                meta.max_seq_len = harness.cfg.model_config.max_model_len
+            forward = model_forward(model, harness, ids, positions, metadata)
+            forward()
+            run = graphed(forward) if device.type == "cuda" else forward
+            times[(where, batch, ctx)] = timed(run, 5 if args.dry_run else 50, device)
+        del harness, model, table
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(
+        f"{'case':24s} {'device us':>10s} {'host us':>10s} {'host/dev':>9s} {'rows KB':>8s} "
+        f"{'at 50 GB/s us':>14s}"
+    )
+    cols = arch.engram_n_columns
+    for batch, ctx in cases:
+        dev, host = times[("device", batch, ctx)], times[("host", batch, ctx)]
+        moved = batch * cols * row_bytes
+        print(
+            f"{f'decode B={batch} ctx={ctx // 1024}K':24s} {dev * 1e6:10.1f} {host * 1e6:10.1f} "
+            f"{host / dev:9.3f} {moved / 1e3:8.1f} {moved / 50e9 * 1e6:14.2f}"
+        )
 
 
 def emulate_expert_shard() -> None:
@@ -270,7 +423,16 @@ def main() -> None:
         action="store_true",
         help="also print the kernels of each case's eager step by device time",
     )
+    parser.add_argument(
+        "--engram",
+        action="store_true",
+        help="only the Engram layer's decode, rows in device memory vs host memory (issue 36)",
+    )
     args = parser.parse_args()
+    if args.engram:
+        device = torch.device("cpu" if args.dry_run else "cuda")
+        engram_main(args, device, [(2, 256)] if args.dry_run else (QUICK if args.quick else DECODE))
+        return
     from v41_harness import PagedHarness
 
     from deepinfer_vllm.tools.make_checkpoint import write_config

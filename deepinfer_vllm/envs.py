@@ -5,7 +5,7 @@ the plugin stays cheap to import in every vLLM process.
 
 | Variable | Default | Meaning |
 | --- | --- | --- |
-| ``DEEPINFER_PREFILL_TRUNCATION_MODE`` | ``off`` | ``off``: every layer runs every prompt row. ``mask``: decoder layers (the causal decoder half, from the first ratio-1 layer) keep window KV only for the last ``KEEP`` prompt positions and clip their window there (DeepInfer's prefill truncation). ``compact``: the same numerics, computing decoder layers only on the kept rows. |
+| ``DEEPINFER_PREFILL_TRUNCATION_MODE`` | unset: ``compact`` with vLLM's ``swa_bounded_replay`` on (its default), ``off`` with ``--no-swa-bounded-replay`` | DeepInfer's prefill truncation of the decoder half (the causal decoder, from the first ratio-1 layer). ``off``: every layer runs every prompt row. ``mask``: decoder layers keep window KV only for the last ``KEEP`` prompt positions and clip their window there. ``compact``: the same numerics (bit for bit), computing decoder layers only on the kept rows. Requests asking for prompt logprobs always keep every row. vLLM's flag also keeps window KV out of the prefix cache (a hit replays its last window); this variable chooses the decoder half alone. |
 | ``DEEPINFER_PREFILL_TRUNCATION_KEEP_TOKENS`` | ``0`` (= ``sliding_window + 12`` when truncating) | retained suffix ``KEEP``; must be at least ``sliding_window``. |
 | ``DEEPINFER_PLATFORM`` | ``auto`` | ``auto``: activate DeepInfer's platform where it must run (CPU-only hosts with vLLM's CPU build). ``off``: never activate it (stock vLLM platforms). ``ascend``: DeepInfer's Ascend platform on any Ascend SoC with torch-npu (in ``auto`` only an Ascend 950 gets it); with vllm-ascend installed, also exclude its ``ascend`` entry through ``VLLM_PLUGINS`` (vLLM activates one out-of-tree platform). |
 | ``DEEPINFER_MODEL`` | ``auto`` | which class serves ``DeepseekV41ForCausalLM``. ``deepinfer``: this plugin's (released formats held as released, TP/DP/EP through vLLM's groups). ``vllm``: vLLM's in-tree class (the plugin registers no model; its serving fixes in ``entrypoints/`` still apply). ``auto``: vLLM's on CUDA and ROCm, where the in-tree class runs the release on the GPU; the plugin's everywhere else (vLLM's is GPU-only). The choice is logged. |
@@ -66,7 +66,12 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def prefill_truncation_mode() -> str:
+def prefill_truncation_mode(default: str = "off") -> str:
+    """``DEEPINFER_PREFILL_TRUNCATION_MODE``, or ``default`` when it is unset (the model passes the
+    mode vLLM's ``swa_bounded_replay`` implies)."""
+    name = setting_source("DEEPINFER_PREFILL_TRUNCATION_MODE")
+    if not os.environ.get(name, "").strip():
+        return default
     return _choice("DEEPINFER_PREFILL_TRUNCATION_MODE", TRUNCATION_MODES)
 
 
@@ -86,9 +91,10 @@ def prefill_truncation_keep() -> int:
     return _int("DEEPINFER_PREFILL_TRUNCATION_KEEP_TOKENS", 0, minimum=0)
 
 
-def prefill_truncation_settings(sliding_window: int) -> tuple[str, int]:
-    """``(mode, keep)`` validated against the model's window."""
-    mode = prefill_truncation_mode()
+def prefill_truncation_settings(sliding_window: int, default_mode: str = "off") -> tuple[str, int]:
+    """``(mode, keep)`` validated against the model's window; ``default_mode`` applies when the
+    mode variable is unset."""
+    mode = prefill_truncation_mode(default_mode)
     keep = prefill_truncation_keep()
     if mode == "off":
         return mode, 0

@@ -70,23 +70,55 @@ def tiny_reference(tiny_checkpoint):
 class SharedGreedy:
     """``tiny``'s reference greedy continuations (fp32), each computed once per test run:
     the first process to ask computes it under a lock of its own and leaves it in the shared
-    folder; the others read it (several workers' tests need the same continuations)."""
+    folder; the others read it (several workers' tests need the same continuations).
+
+    They are computed the way an engine computes them by default: vLLM's ``swa_bounded_replay``
+    on, hence DeepInfer's compact prefill truncation (``KEEP = W + 12``) and a replay after every
+    prefix hit (``admissions``: ``(hit, length)`` of each (re)admission, see
+    ``ReferenceV41.greedy_generate``; ``replay_admissions`` reads them from an engine).
+    ``full_prefill``: every layer on every prompt row, as for requests asking prompt logprobs
+    (which never hit the prefix cache)."""
 
     def __init__(self, reference, folder) -> None:
+        from deepinfer_vllm import envs
+
         self.reference = reference
         self.folder = folder
         folder.mkdir(exist_ok=True)
+        self.mode, self.keep = envs.prefill_truncation_settings(reference.arch.sliding_window, "compact")
 
-    def __call__(self, prompt, max_new_tokens: int) -> list[int]:
+    def __call__(self, prompt, max_new_tokens: int, full_prefill: bool = False, admissions=()) -> list[int]:
         from filelock import FileLock
 
         prompt = [int(t) for t in prompt]
-        key = hashlib.sha1(json.dumps([prompt, max_new_tokens]).encode()).hexdigest()
+        mode, keep = ("off", 0) if full_prefill else (self.mode, self.keep)
+        admissions = [[int(hit), int(at)] for hit, at in admissions]
+        key = hashlib.sha1(json.dumps([prompt, max_new_tokens, mode, keep, admissions]).encode()).hexdigest()
         path = self.folder / f"{key}.json"
         with FileLock(str(path) + ".lock"):
             if not path.exists():
-                path.write_text(json.dumps(self.reference.greedy_generate(prompt, max_new_tokens)))
+                tokens = self.reference.greedy_generate(
+                    prompt, max_new_tokens, truncation_mode=mode, keep_tokens=keep, admissions=admissions
+                )
+                path.write_text(json.dumps(tokens))
             return json.loads(path.read_text())
+
+
+def _replay_admissions(log, window: int) -> dict[str, list[tuple[int, int]]]:
+    out: dict[str, list[tuple[int, int]]] = {}
+    for rid, start, tokens in log:
+        out.setdefault(rid.rsplit("-", 1)[0], []).append((start + window if start else 0, tokens))
+    return out
+
+
+@pytest.fixture(scope="session")
+def replay_admissions(tiny_reference):
+    """``replay_admissions(log)`` -> ``{request id: [(hit, length), ...]}`` from a worker's
+    ``deepinfer_replay_log`` (``collective_rpc("deepinfer_replay_log")[0]``; the engine's request
+    ids carry a suffix after the caller's: "3-1a2b3c4d"): a replay start ``s`` is a hit of
+    ``s + W`` tokens, 0 an admission that recomputed everything. For ``tiny_greedy``."""
+    window = tiny_reference.arch.sliding_window
+    return lambda log: _replay_admissions(log, window)
 
 
 @pytest.fixture(scope="session")
@@ -104,8 +136,15 @@ def acceptance_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def reference_greedy(tiny_greedy, acceptance_prompts) -> list[list[int]]:
-    """The reference's greedy 16-token continuations of the acceptance prompts."""
+    """The reference's greedy 16-token continuations of the acceptance prompts, as an engine
+    computes them without prefix hits (compact prefill truncation, the default)."""
     return [tiny_greedy(p, 16) for p in acceptance_prompts]
+
+
+@pytest.fixture(scope="session")
+def reference_greedy_full_prefill(tiny_greedy, acceptance_prompts) -> list[list[int]]:
+    """The same with every prompt row computed: what requests asking prompt logprobs get."""
+    return [tiny_greedy(p, 16, full_prefill=True) for p in acceptance_prompts]
 
 
 # ---------------------------------------------------------------- running side by side

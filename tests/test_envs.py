@@ -28,6 +28,17 @@ def test_prefill_truncation_settings_under_the_current_names(monkeypatch):
         envs.prefill_truncation_settings(16)
 
 
+def test_prefill_truncation_mode_defaults_to_what_vllms_switch_implies(monkeypatch):
+    """Unset, the mode is the model's default (``compact`` with vLLM's ``swa_bounded_replay`` on,
+    ``off`` with it off); set, the variable wins either way."""
+    assert envs.prefill_truncation_settings(16, "compact") == ("compact", 28)
+    assert envs.prefill_truncation_settings(16, "off") == ("off", 0)
+    monkeypatch.setenv("DEEPINFER_PREFILL_TRUNCATION_MODE", "off")
+    assert envs.prefill_truncation_settings(16, "compact") == ("off", 0)
+    monkeypatch.setenv("DEEPINFER_PREFILL_TRUNCATION_MODE", "mask")
+    assert envs.prefill_truncation_settings(16, "off") == ("mask", 28)
+
+
 def test_older_names_are_read_once_deprecated_and_named_in_errors(monkeypatch, caplog):
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mask")
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "8")

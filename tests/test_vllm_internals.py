@@ -71,6 +71,36 @@ def test_kv_cache_spec_classes_have_the_fields_we_use():
     ).prefix_cacheable is False
 
 
+def test_swa_bounded_replay_internals():
+    """SWA bounded replay (``attention_backends.cache_layout``, ``platforms.v41_runner``): the
+    window spec that leaves prefix caching with a replay window, vLLM's switch (default on),
+    the scheduler's replay start in ``NewRequestData`` (the V1 runner does not keep it), and
+    ``_mark_prefix_replay`` rewinding a hit to exactly its replay start, which is how the runner
+    reads the start of a request resumed after preemption (its rewound computed count)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import CacheConfig
+    from vllm.v1 import kv_cache_interface as kv
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    spec = kv.SlidingWindowMLASpec(
+        block_size=64, num_kv_heads=1, head_size=512, head_size_v=0, dtype=torch.uint8,
+        sliding_window=128, bounded_replay=True, state_content_bytes=528,
+    )
+    assert not spec.prefix_cacheable and spec.prefix_replay_tokens == 128
+    assert CacheConfig().swa_bounded_replay is True
+    assert "replay_start" in {f.name for f in dataclasses.fields(NewRequestData)}
+    scheduler = SimpleNamespace(prefix_replay_tokens=128)
+    request = SimpleNamespace(replay_start=0)
+    rewind = Scheduler._mark_prefix_replay(scheduler, request, 320, False)
+    assert (rewind, request.replay_start) == (128, 320 - 128)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert callable(GPUModelRunner._update_states) and callable(GPUModelRunner._build_attention_metadata)
+
+
 def test_attention_interfaces():
     from vllm.forward_context import get_forward_context  # noqa: F401
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase

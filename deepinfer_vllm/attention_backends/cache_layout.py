@@ -3,6 +3,17 @@
 One declaration per cache, derived from the layer roles alone, so the model
 builds its cache layers from it and tools can size the caches of any config
 (e.g. the real Flash one) without building the model.
+
+SWA bounded replay (vLLM's ``cache_config.swa_bounded_replay``, on by default;
+docs/design-notes.md, "Window KV out of the prefix cache"): the window caches
+(backbone and DSpark) are then vLLM's ``SlidingWindowMLASpec(bounded_replay=True)``,
+kept out of prefix caching with a replay window of ``sliding_window`` tokens, so
+window memory is held by running requests only and a prefix hit recomputes the
+hit's last window. The Engram token history then keeps every id, as a
+full-attention cache (4 B per token): the replayed rows find their look-back in
+the prefix's cached blocks, and a hit may end at any block boundary (vLLM keeps a
+sliding-window group's blocks only where a hit is expected: prompt ends, shared
+prefixes).
 """
 
 from __future__ import annotations
@@ -37,6 +48,19 @@ def compressor_ring_rows(num_speculative_tokens: int = 0) -> int:
 TOKEN_HISTORY = "layers.0.token_history"
 
 
+def swa_bounded_replay(vllm_config) -> bool:
+    """Whether the window caches leave prefix caching and replay a hit's last window:
+    vLLM's ``cache_config.swa_bounded_replay`` (``--swa-bounded-replay``, default on), where a
+    DeepInfer worker runs the model (CPU, Ascend). Its runner hands the model each request's replay
+    start and prompt length; vLLM's own runners (the plugin's model on CUDA) hand it neither, so
+    there the switch stays off: window KV cached with the prefix, no prefill truncation."""
+    worker = vllm_config.parallel_config.worker_cls
+    worker = worker if isinstance(worker, str) else f"{worker.__module__}.{worker.__qualname__}"
+    return bool(getattr(vllm_config.cache_config, "swa_bounded_replay", False)) and worker.startswith(
+        "deepinfer_vllm."
+    )
+
+
 @dataclass(frozen=True)
 class CacheDecl:
     """One paged cache: ``kind`` is window | compressed | index | ring | tokens."""
@@ -49,9 +73,20 @@ class CacheDecl:
     ring_row_floats: int = 0
     ring_rows: int = COMPRESSOR_RING_ROWS
 
-    def spec(self, block_size: int, page_size_padded: int | None = None):
-        """The vLLM ``KVCacheSpec`` of this cache (pages optionally padded)."""
-        from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec, SlidingWindowSpec
+    def spec(self, block_size: int, page_size_padded: int | None = None, bounded_replay: bool = False):
+        """The vLLM ``KVCacheSpec`` of this cache (pages optionally padded).
+
+        ``bounded_replay``: window caches are not prefix-cacheable and declare a replay of
+        ``sliding_window`` tokens (``SlidingWindowMLASpec``); the token history keeps every id
+        (``FullAttentionSpec``), so the replayed rows find their look-back in the cache.
+        """
+        from vllm.v1.kv_cache_interface import (
+            CircularBufferSpec,
+            FullAttentionSpec,
+            MLAAttentionSpec,
+            SlidingWindowMLASpec,
+            SlidingWindowSpec,
+        )
 
         if self.kind == "ring":
             return CircularBufferSpec(
@@ -63,26 +98,30 @@ class CacheDecl:
                 page_size_padded=page_size_padded,
             )
         if self.kind == "tokens":
-            return SlidingWindowSpec(
-                block_size=block_size,
-                num_kv_heads=1,
-                head_size=1,
-                head_size_v=0,
-                dtype=torch.int32,
-                sliding_window=self.sliding_window,
-                page_size_padded=page_size_padded,
-            )
-        common = dict(
-            block_size=block_size,
-            num_kv_heads=1,
-            head_size=self.record.dim,
-            head_size_v=0,
-            dtype=torch.uint8,
-            state_content_bytes=self.record.record_bytes,
-            page_size_padded=page_size_padded,
-        )
+            ids = {
+                "block_size": block_size,
+                "num_kv_heads": 1,
+                "head_size": 1,
+                "head_size_v": 0,
+                "dtype": torch.int32,
+                "page_size_padded": page_size_padded,
+            }
+            if bounded_replay:
+                return FullAttentionSpec(**ids)
+            return SlidingWindowSpec(sliding_window=self.sliding_window, **ids)
+        common = {
+            "block_size": block_size,
+            "num_kv_heads": 1,
+            "head_size": self.record.dim,
+            "head_size_v": 0,
+            "dtype": torch.uint8,
+            "state_content_bytes": self.record.record_bytes,
+            "page_size_padded": page_size_padded,
+        }
         if self.kind == "window":
-            return SlidingWindowSpec(sliding_window=self.sliding_window, **common)
+            return SlidingWindowMLASpec(
+                sliding_window=self.sliding_window, bounded_replay=bounded_replay, **common
+            )
         return MLAAttentionSpec(tokens_per_state=self.ratio, **common)
 
 
@@ -102,10 +141,17 @@ def layer_caches(
     ]
     if role.is_kv_source:
         decls.append(
-            CacheDecl(f"{prefix}.compressed_cache", "compressed", RecordFormat(COMPRESSED_FORMAT, arch.head_dim), role.ratio)
+            CacheDecl(
+                f"{prefix}.compressed_cache",
+                "compressed",
+                RecordFormat(COMPRESSED_FORMAT, arch.head_dim),
+                role.ratio,
+            )
         )
         decls.append(
-            CacheDecl(f"{prefix}.index_cache", "index", RecordFormat(INDEX_FORMAT, arch.index_head_dim), role.ratio)
+            CacheDecl(
+                f"{prefix}.index_cache", "index", RecordFormat(INDEX_FORMAT, arch.index_head_dim), role.ratio
+            )
         )
         if role.ratio == 2:
             decls.append(

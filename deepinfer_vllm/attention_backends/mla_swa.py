@@ -5,7 +5,9 @@ with its own spec (so prefix caching, chunked prefill and preemption come from
 vLLM itself):
 
 * window KV of every layer: MXFP8 records, a sliding-window spec (pages that
-  fall out of the window are freed, prefix hits keep the last window);
+  fall out of the window are freed); with vLLM's SWA bounded replay (default)
+  kept out of prefix caching, a prefix hit recomputing the hit's last window,
+  otherwise cached with the prefix (a hit keeps the last window);
 * compressed KV of KV-source layers: NVFP4 records, one per ``ratio`` tokens;
 * index keys of KV-source layers: MXFP4 records, one per ``ratio`` tokens;
 * the ratio-2 compressor ring: one fp32 ``[u | g]`` row per recent token, so a
@@ -23,7 +25,6 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (
@@ -35,7 +36,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from deepinfer_vllm.attention_backends.cache_layout import CacheDecl
+from deepinfer_vllm.attention_backends.cache_layout import CacheDecl, swa_bounded_replay
 
 BACKEND_NAME = "DEEPINFER_V41_MLA_SWA"
 
@@ -60,9 +61,20 @@ class V41StepMetadata:
     block_size: int  # tokens covered by one block of this group
     max_seq_len: int  # host upper bound of ``seq_lens`` (static sizes without a sync)
     max_query_len: int  # host upper bound of any request's tokens in this step
-    # [num_reqs] prompt length of each request; filled by DeepInfer's runner
-    # (vLLM's common metadata does not carry it), None elsewhere.
+    # Filled by DeepInfer's runner (vLLM's common metadata does not carry them), None elsewhere:
+    # [num_reqs] prompt length of each request (prefill truncation's ``data_len``);
     prompt_lens: torch.Tensor | None = None
+    # [num_reqs] bool, requests whose every prompt row is computed (prompt logprobs): no truncation;
+    full_prefill: torch.Tensor | None = None
+    # [num_reqs] first position each request holds window KV from (SWA bounded replay: a
+    # prefix hit's replay start, 0 for the others); None when no request of the step replays.
+    replay_start: torch.Tensor | None = None
+    # Host: whether any token of the step lies below its request's prompt length (False: prefill
+    # truncation has nothing to clip in this step). True where no runner says otherwise.
+    prompt_rows: bool = True
+    # Host int64 [num_actual_tokens, max_ngram]: raw ids at ``p - s`` (-1 before the start), from
+    # which the host hashes Engram rows it keeps in host memory (``model_executor.engram_host``).
+    engram_windows: torch.Tensor | None = None
 
 
 class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):
@@ -88,7 +100,7 @@ class V41MetadataBuilder(AttentionMetadataBuilder[V41StepMetadata]):
         sched = vllm_config.scheduler_config
         self.max_model_len = vllm_config.model_config.max_model_len
         reqs, tokens = sched.max_num_seqs, sched.max_num_batched_tokens
-        i64 = dict(dtype=torch.int64, device=device)
+        i64 = {"dtype": torch.int64, "device": device}
         self._qsl = torch.zeros(reqs + 1, **i64)
         self._seq_lens = torch.zeros(reqs, **i64)
         self._context_lens = torch.zeros(reqs, **i64)
@@ -251,4 +263,6 @@ class V41CacheLayer(nn.Module, AttentionLayerBase):
         self.kv_cache = kv_cache
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return self.decl.spec(vllm_config.cache_config.block_size)
+        return self.decl.spec(
+            vllm_config.cache_config.block_size, bounded_replay=swa_bounded_replay(vllm_config)
+        )

@@ -24,21 +24,23 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+
 from .numerics import acc_dtype, device_constant, pointwise
 
 __all__ = [
-    "ENGRAM_DEAD",
     "ENGRAM_BEFORE_START",
-    "normalize_token_text",
-    "compressed_vocab_from_tokenizer",
+    "ENGRAM_DEAD",
     "compress_token_ids",
-    "next_prime",
-    "engram_primes",
-    "engram_offsets",
+    "compressed_vocab_from_tokenizer",
+    "engram_gate_update",
+    "engram_hash",
+    "engram_history_windows",
     "engram_multipliers",
     "engram_ngram_ids",
-    "engram_hash",
-    "engram_gate_update",
+    "engram_offsets",
+    "engram_primes",
+    "next_prime",
+    "normalize_token_text",
 ]
 
 ENGRAM_DEAD = -1
@@ -333,6 +335,27 @@ def engram_ngram_ids(
     return out
 
 
+def engram_history_windows(
+    token_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, depth: int
+) -> torch.Tensor:
+    """Raw ids at ``p, p-1, ..., p-(depth-1)`` of every token, -1 before position 0 -> int64
+    ``[T, depth]``, read from a table of every request's ids: ``token_ids [R, L]`` (row ``rows[t]``
+    holds the ids of token ``t``'s request by position), ``positions [T]``.
+
+    What a paged token history returns on the device (the model's ``TokenHistory``), computed
+    where the ids already are, e.g. vLLM's host token table, so the host can hash without reading
+    anything back from the device. Positions at or past ``L`` are refused."""
+    rows = rows.long().view(-1, 1)
+    positions = positions.long().view(-1, 1)
+    if positions.numel() and int(positions.max()) >= token_ids.shape[1]:
+        raise ValueError(
+            f"position {int(positions.max())} outside the token table ({token_ids.shape[1]} ids per request)"
+        )
+    back = positions - torch.arange(depth, dtype=torch.int64, device=positions.device)
+    ids = token_ids[rows, back.clamp_min(0)].long()
+    return torch.where(back >= 0, ids, torch.full_like(ids, -1))
+
+
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -378,9 +401,7 @@ def engram_hash(
         v = torch.where(blocked, torch.full_like(rolling, int(pad_id)), ids[:, s])
         rolling = torch.bitwise_xor(rolling, v * int(multipliers[s]))
         if s >= 1:
-            mods = device_constant(
-                "engram_primes", tuple(int(p) for p in primes[s - 1]), torch.int64, dev
-            )
+            mods = device_constant("engram_primes", tuple(int(p) for p in primes[s - 1]), torch.int64, dev)
             offs = device_constant(
                 "engram_offsets",
                 tuple(int(offsets[(s - 1) * n_heads + h]) for h in range(n_heads)),
@@ -423,7 +444,7 @@ def engram_gate_update(
     r_x = torch.rsqrt(x.square().mean(dim=-1) + eps)
     r_k = torch.rsqrt(keys.square().mean(dim=-1) + eps)
     w = (q_weight.to(acc) * k_weight.to(acc)).unsqueeze(0)
-    dot = (x * w * keys).sum(dim=-1) * r_x * r_k * (D ** -0.5)
+    dot = (x * w * keys).sum(dim=-1) * r_x * r_k * (D**-0.5)
     gate = pointwise(torch.sigmoid, torch.sign(dot) * dot.abs().clamp_min(clamp).sqrt())
     out = (x + gate.unsqueeze(-1) * value.unsqueeze(1)).to(streams.dtype)
     if is_image is not None:

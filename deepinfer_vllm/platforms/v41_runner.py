@@ -4,7 +4,16 @@ vLLM's runner is reused as is; :class:`V41RunnerMixin` only adds what V4.1
 needs and the V1 runner does not do, none of it device-specific:
 
 * each request's prompt length in the step metadata, which anchors DeepInfer's
-  prefill truncation of the decoder half (``DEEPINFER_PREFILL_TRUNCATION_MODE``);
+  prefill truncation of the decoder half (``DEEPINFER_PREFILL_TRUNCATION_MODE``), and
+  which requests keep every prompt row (prompt logprobs);
+* SWA bounded replay (vLLM's ``swa_bounded_replay``): the scheduler rewinds a
+  prefix hit by the window and tells each admitted request where its replay
+  starts (``NewRequestData.replay_start``); vLLM's V1 runner drops that value,
+  so the mixin keeps it per request and hands each step's starts to the model
+  (``V41StepMetadata.replay_start``), which clamps window attention there and
+  leaves the hit's cached compressed KV as it is. A request resumed after
+  preemption arrives without the field; its start is its rewound computed
+  count, which is what ``_mark_prefix_replay`` sets it to;
 * DSpark drafting (``spec_decode``): the drafts of every step, their
   distributions for vLLM's rejection sampler, and the cost table of adaptive
   verification, profiled once the KV caches exist; with data parallelism a
@@ -18,6 +27,8 @@ needs and the V1 runner does not do, none of it device-specific:
   the same numbers however its prompt is chunked;
 * expert load balancing where the plugin drives it (``model_executor.eplb``): the
   balancer is built after loading and stepped where vLLM steps its own EPLB state;
+* Engram rows in host memory hashed on the host (``model_executor.engram_host``, ``copy``
+  transfer): each step's n-gram windows, read from the host token table, in the step metadata;
 * with adaptive verification, step times measured on the device: the clock is
   read after the device finished (``_sync_device``), not when the host has
   only queued the work.
@@ -31,12 +42,15 @@ the NPU runner is ``V41RunnerMixin`` + vLLM's ``GPUModelRunner``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 
+import numpy as np
 import torch
 
 from deepinfer_vllm.attention_backends.mla_swa import V41StepMetadata
+from deepinfer_vllm.model_executor.engram_host import dummy_windows, step_windows
 from deepinfer_vllm.model_executor.eplb import expert_balancer
 from deepinfer_vllm.patch import generator_rewind
 from deepinfer_vllm.spec_decode.proposer import DSparkProposer
@@ -56,18 +70,91 @@ class V41RunnerMixin:
         attn_metadata, spec_metadata = super()._build_attention_metadata(
             num_tokens, num_reqs, *args, **kwargs
         )
-        prompt_lens = None
+        fields = None
+        windows = self._v41_engram_windows_of(num_tokens)
         layers = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
         for per_layer in layers:
             for meta in per_layer.values():
                 if isinstance(meta, V41StepMetadata):
-                    if prompt_lens is None:
-                        host = self.input_batch.num_prompt_tokens_cpu_tensor[: meta.num_reqs]
-                        prompt_lens = host.to(meta.seq_lens.device, meta.seq_lens.dtype, non_blocking=True)
-                    meta.prompt_lens = prompt_lens
+                    if fields is None:
+                        fields = self._v41_request_fields(meta.num_reqs, meta.seq_lens)
+                    meta.prompt_lens, meta.full_prefill, meta.replay_start, meta.prompt_rows = fields
+                    meta.engram_windows = windows
         if isinstance(attn_metadata, dict):
             self._v41_step_metadata = attn_metadata
         return attn_metadata, spec_metadata
+
+    def _v41_request_fields(self, num_reqs: int, like: torch.Tensor) -> tuple:
+        """Per-request step fields vLLM's common metadata lacks, from host values: prompt
+        lengths, which requests keep every prompt row, replay starts (None when no request of
+        the step is still inside its replay) and whether any token lies below its prompt length.
+        ``num_reqs`` may count padding requests past the batch's own."""
+        batch = self.input_batch
+        real = min(batch.num_reqs, num_reqs)
+        computed = batch.num_computed_tokens_cpu[:real]
+        prompt = batch.num_prompt_tokens[:real]
+        host = batch.num_prompt_tokens_cpu_tensor[:num_reqs]
+        prompt_lens = host.to(like.device, like.dtype, non_blocking=True)
+        req_ids = batch.req_ids[:real]
+        full = None
+        if self.num_prompt_logprobs:
+            keep_all = np.zeros(num_reqs, dtype=np.bool_)
+            keep_all[:real] = [rid in self.num_prompt_logprobs for rid in req_ids]
+            if keep_all.any():
+                full = torch.from_numpy(keep_all).to(like.device)
+        replay = None
+        window = self._replay_window()
+        if window and self._v41_replay_starts:
+            starts = np.zeros(num_reqs, dtype=np.int64)
+            starts[:real] = [self._v41_replay_starts.get(rid, 0) for rid in req_ids]
+            # Rows at or past the hit see no window below the start anyway.
+            starts[:real][computed >= starts[:real] + window] = 0
+            if starts.any():
+                replay = torch.from_numpy(starts).to(like.device, like.dtype)
+        return prompt_lens, full, replay, bool((computed < prompt).any())
+
+    # ---------------------------------------------------- SWA bounded replay
+    _v41_replay_window: int | None = None
+    _v41_replay_starts: dict | None = None  # request id -> replay start of its last admission
+    # (request id, replay start, tokens) of recent admissions (``V41WorkerMixin.deepinfer_replay_log``).
+    _v41_replay_log: collections.deque | None = None
+    REPLAY_LOG_LEN = 4096
+
+    def _replay_window(self) -> int:
+        """Tokens a prefix hit replays (the window groups' ``prefix_replay_tokens``; 0: none)."""
+        if self._v41_replay_window is None:
+            config = getattr(self, "kv_cache_config", None)
+            if config is None:
+                return 0
+            self._v41_replay_window = max(
+                (g.kv_cache_spec.prefix_replay_tokens for g in config.kv_cache_groups), default=0
+            )
+        return self._v41_replay_window
+
+    def _update_states(self, scheduler_output):
+        out = super()._update_states(scheduler_output)
+        if self._replay_window():
+            self._record_replay_starts(scheduler_output)
+        return out
+
+    def _record_replay_starts(self, scheduler_output) -> None:
+        if self._v41_replay_starts is None:
+            self._v41_replay_starts = {}
+            self._v41_replay_log = collections.deque(maxlen=self.REPLAY_LOG_LEN)
+        starts = self._v41_replay_starts
+        for rid in scheduler_output.finished_req_ids:
+            starts.pop(rid, None)
+        admitted = [(new.req_id, new.replay_start) for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        admitted += [
+            (rid, cached.num_computed_tokens[i])
+            for i, rid in enumerate(cached.req_ids)
+            if rid in cached.resumed_req_ids
+        ]
+        for rid, start in admitted:
+            starts[rid] = int(start)
+            state = self.requests.get(rid)
+            self._v41_replay_log.append((rid, int(start), None if state is None else state.num_tokens))
 
     # ------------------------------------------------------- seeded sampling
     _rewind: dict | None = None
@@ -169,8 +256,15 @@ class V41RunnerMixin:
         drafter = self._dspark()
         if drafter is None:
             return super().propose_draft_token_ids(
-                scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
-                aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings,
+                scheduler_output,
+                sampled_token_ids,
+                sampling_metadata,
+                hidden_states,
+                sample_hidden_states,
+                aux_hidden_states,
+                spec_decode_metadata,
+                common_attn_metadata,
+                slot_mappings,
             )
         self._draft_probs = None
         self._draft_prob_req_ids = None
@@ -180,6 +274,25 @@ class V41RunnerMixin:
             self._draft_probs = probs
             self._draft_prob_req_ids = list(self.input_batch.req_ids)
         return drafts
+
+    # ------------------------------------------------ Engram rows in host memory
+    # With the ``copy`` transfer the model hashes its Engram rows on the host from the step's
+    # n-gram windows, read here from the runner's host token table (``engram_host.step_windows``).
+    _v41_engram_windows: torch.Tensor | None = None
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        model = getattr(self, "model", None)
+        self._v41_engram_windows = step_windows(model, self.input_batch, num_scheduled_tokens)
+        return out
+
+    def _v41_engram_windows_of(self, num_tokens: int) -> torch.Tensor | None:
+        """The windows of the step being prepared; for a dummy batch (no ``_prepare_inputs``:
+        profiling, warm-up, an idle data-parallel rank), pad windows."""
+        windows = self._v41_engram_windows
+        if windows is not None and windows.shape[0] == num_tokens:
+            return windows
+        return dummy_windows(getattr(self, "model", None), num_tokens)
 
     # ------------------------------------------------- expert load balancing
     # The plugin's EPLB driver where vLLM's config refuses ``enable_eplb`` (``model_executor.eplb``).
@@ -199,6 +312,12 @@ class V41RunnerMixin:
 
 class V41WorkerMixin:
     """What every DeepInfer worker answers besides vLLM's worker API."""
+
+    def deepinfer_replay_log(self) -> list[tuple[str, int, int | None]]:
+        """Recent admissions of this worker's requests under SWA bounded replay:
+        ``(request id, replay start, tokens at admission)``, replay start 0 where nothing is
+        replayed (``collective_rpc("deepinfer_replay_log")``; tests pass them to the reference)."""
+        return list(self.model_runner._v41_replay_log or ())
 
     def deepinfer_weight_bytes(self) -> dict[str, dict[str, int]]:
         """This worker's resident weight bytes per component, beside the checkpoint's

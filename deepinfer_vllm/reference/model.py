@@ -49,6 +49,20 @@ Prefill truncation of the decoder half (docs/design-notes.md, "Prefill truncatio
   Contract: ``mask`` and ``compact`` are the same function on the kept rows and must agree
   bit for bit there (DeepInfer: one visibility function serves both modes, and its kernels
   are batch invariant).
+  ``data_len`` (default ``T``) is the prompt length the engine truncates by: rows past it
+  (generated tokens) are always kept, and their decoder windows reach back to ``data_len - K``.
+
+SWA bounded replay after prefix hits (docs/design-notes.md, "Window KV out of the prefix cache")
+  ``replay_hits=(h_1 < h_2 < ...)``: the sequence was computed in segments. Segment 0 computes
+  rows ``0 .. h_1-1``; segment ``i`` was admitted with a prefix-cache hit of ``h_i`` tokens
+  (``h_i > W``; a shorter hit is recomputed whole) and recomputes rows ``h_i - W ..`` (the
+  replay) up to the next hit or ``T``. In segment ``i`` every layer's window is clipped to
+  positions ``>= h_i - W`` (no window KV exists below the replay), the compressed entries and
+  index keys completed before ``h_i`` are those of the earlier segments (the cached ones,
+  "as first computed"), and the entries completed from ``h_i`` on are the segment's own. A
+  row's outputs (logits, hidden state) are those of the segment that computed it past its
+  hit; the replayed rows' recomputed window keys are what the later rows read. The result is
+  a deterministic function of the tokens and the hits (and of ``data_len``, ``K``).
 
 Batch invariance (read before comparing two forwards)
   The torch CPU operators this reference composes are not batch invariant: the MoE reference
@@ -142,6 +156,34 @@ class _KVSource:
     ratio: int
     comp: torch.Tensor  # [N, head_dim] NVFP4-dequantised compressed keys (= values)
     index_keys: torch.Tensor  # [N, index_head_dim] MXFP4-dequantised index keys
+
+
+@dataclass
+class _Segment:
+    """One segment of a forward with replay hits: rows from ``start``, admitted with a hit of
+    ``hit`` tokens (0 for the first); ``stored``: every KV source's entries so far."""
+
+    start: int
+    hit: int
+    stored: dict[int, _KVSource]
+
+
+def _merge_trace(trace: ForwardTrace, segment: ForwardTrace, T: int) -> None:
+    """Fold one segment's trace into ``trace``: each position keeps the latest segment's row
+    (what the engine's caches hold after a replay rewrote it)."""
+    for L, rows in segment.entry_streams.items():
+        pos = segment.entry_positions[L]
+        have = trace.entry_positions.get(L)
+        if have is None:
+            trace.entry_streams[L], trace.entry_positions[L] = rows, pos
+            continue
+        older = ~torch.isin(have, pos)
+        merged_pos = torch.cat([have[older], pos])
+        order = torch.argsort(merged_pos)
+        trace.entry_positions[L] = merged_pos[order]
+        trace.entry_streams[L] = torch.cat([trace.entry_streams[L][older], rows])[order]
+    segment.entry_streams.clear()
+    segment.entry_positions.clear()
 
 
 @dataclass
@@ -284,13 +326,21 @@ class ReferenceV41:
         truncation_mode: str = "off",
         keep_tokens: int = 0,
         trace: ForwardTrace | None = None,
+        data_len: int | None = None,
+        replay_hits: Sequence[int] = (),
     ) -> torch.Tensor:
         """fp32 logits ``[T, vocab]`` for one sequence at positions ``0..T-1``.
 
-        In ``compact`` mode the rows the decoder did not compute are NaN.
+        In ``compact`` mode the rows the decoder did not compute are NaN. ``data_len`` and
+        ``replay_hits``: see the module docstring.
         """
         h = self.hidden_states(
-            input_ids, truncation_mode=truncation_mode, keep_tokens=keep_tokens, trace=trace
+            input_ids,
+            truncation_mode=truncation_mode,
+            keep_tokens=keep_tokens,
+            trace=trace,
+            data_len=data_len,
+            replay_hits=replay_hits,
         )
         with torch.no_grad(), self._threads():
             return gemm(h, self.w["head.weight"], torch.float32)
@@ -303,12 +353,14 @@ class ReferenceV41:
         truncation_mode: str = "off",
         keep_tokens: int = 0,
         trace: ForwardTrace | None = None,
+        data_len: int | None = None,
+        replay_hits: Sequence[int] = (),
     ) -> torch.Tensor:
         """Final normalised hidden states ``[T, hidden]`` in the model dtype (NaN for rows a
         ``compact`` forward dropped)."""
         ids = self._as_ids(input_ids)
         T = ids.numel()
-        h_rows, rows = self._run(ids, truncation_mode, keep_tokens, trace)
+        h_rows, rows = self._run(ids, truncation_mode, keep_tokens, trace, data_len, tuple(replay_hits))
         if rows.numel() == T:
             return h_rows
         out = torch.full((T, h_rows.shape[-1]), float("nan"), dtype=h_rows.dtype)
@@ -323,20 +375,34 @@ class ReferenceV41:
         truncation_mode: str = "off",
         keep_tokens: int = 0,
         stop_at_eos: bool = False,
+        admissions: Sequence[tuple[int, int]] = (),
     ) -> list[int]:
         """Greedy continuation: re-runs the full stack over prompt + generated tokens for
         every new token and appends the argmax (lowest id on ties) of the last row's logits
         (the head is applied to that row alone: its logits are ``forward``'s last row, the
         same fp64-accumulated product rounded once).
 
-        Returns only the new tokens. The prefill truncation settings apply to every forward, with
-        ``data_len`` = the current length (what an engine does when each step is a fresh
-        prefill of the whole sequence).
+        Returns only the new tokens. Prefill truncation applies as an engine applies it: with
+        ``data_len`` = the prompt's length, generated tokens computed in full.
+
+        ``admissions``: ``(hit, length)`` for each time the request was (re)admitted after its
+        first admission (a preemption) or, for the first one, with a prefix-cache hit: it then
+        held ``length`` tokens and found ``hit`` of them cached (0: recomputed whole; a hit of
+        at most ``W`` tokens counts as 0). Every token sampled from then on comes from a
+        forward whose replay hits are those of this admission (see ``replay_chain``).
         """
         seq = self._as_ids(prompt_ids).tolist()
+        data_len = len(seq)
         out: list[int] = []
         for _ in range(max_new_tokens):
-            h = self.hidden_states(seq, truncation_mode=truncation_mode, keep_tokens=keep_tokens)
+            hits = self.replay_chain(admissions, len(seq))
+            h = self.hidden_states(
+                seq,
+                truncation_mode=truncation_mode,
+                keep_tokens=keep_tokens,
+                data_len=data_len,
+                replay_hits=hits,
+            )
             with self._threads():
                 logits = gemm(h[-1:], self.w["head.weight"], torch.float32)
             tok = int(torch.argmax(logits[-1]).item())
@@ -345,6 +411,22 @@ class ReferenceV41:
             if stop_at_eos and tok == self.arch.eos_token_id:
                 break
         return out
+
+    def replay_chain(self, admissions: Sequence[tuple[int, int]], length: int) -> tuple[int, ...]:
+        """The replay hits behind the rows computed while the request holds ``length`` tokens,
+        from its ``(hit, length at admission)`` admissions in order: each admission with a
+        hit keeps the earlier chain's hits below it and adds its own; one without a hit (or
+        with a hit of at most ``W`` tokens, which the scheduler recomputes whole) starts over.
+        Assumes the cached blocks a hit finds are the ones this request computed."""
+        W = self.arch.sliding_window
+        chain: list[int] = []
+        for hit, at in admissions:
+            if at > length:
+                break
+            if hit >= at:
+                raise ValueError(f"a hit of {hit} tokens on a request of {at}: at most {at - 1} are cached")
+            chain = [h for h in chain if h < hit] + [hit] if hit > W else []
+        return tuple(chain)
 
     # ------------------------------------------------------------------ forward internals
 
@@ -358,6 +440,17 @@ class ReferenceV41:
         if int(ids.min()) < 0 or int(ids.max()) >= self.arch.vocab_size:
             raise ValueError("token id outside the vocabulary")
         return ids
+
+    def _check_hits(self, hits: tuple[int, ...], T: int) -> None:
+        W = self.arch.sliding_window
+        if list(hits) != sorted(set(hits)):
+            raise ValueError(f"replay_hits must increase strictly, got {hits}")
+        for h in hits:
+            if not W < h < T:
+                raise ValueError(
+                    f"replay hit {h}: must be longer than the window ({W}; shorter hits are recomputed "
+                    f"whole) and shorter than the sequence ({T})"
+                )
 
     def _truncation_lo(self, T: int, truncation_mode: str, keep_tokens: int) -> int:
         """Lowest window position of decoder layers (0 = no clipping)."""
@@ -390,28 +483,81 @@ class ReferenceV41:
             torch.set_num_threads(previous)
 
     def _run(
-        self, ids: torch.Tensor, truncation_mode: str, keep_tokens: int, trace: ForwardTrace | None
+        self,
+        ids: torch.Tensor,
+        truncation_mode: str,
+        keep_tokens: int,
+        trace: ForwardTrace | None,
+        data_len: int | None = None,
+        replay_hits: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the stack; returns the final hidden rows and their positions."""
         with torch.no_grad(), self._threads():
-            return self._run_stack(ids, truncation_mode, keep_tokens, trace)
+            return self._run_stack(ids, truncation_mode, keep_tokens, trace, data_len, replay_hits)
 
     def _run_stack(
-        self, ids: torch.Tensor, truncation_mode: str, keep_tokens: int, trace: ForwardTrace | None
+        self,
+        ids: torch.Tensor,
+        truncation_mode: str,
+        keep_tokens: int,
+        trace: ForwardTrace | None,
+        data_len: int | None = None,
+        replay_hits: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every segment of the sequence in turn (one without replay hits); each row's outputs
+        come from the segment that computed it past its hit."""
         a = self.arch
         T = ids.numel()
-        lo = self._truncation_lo(T, truncation_mode, keep_tokens)
+        self._check_hits(replay_hits, T)
+        lo = self._truncation_lo(T if data_len is None else data_len, truncation_mode, keep_tokens)
+        bounds = [0, *replay_hits, T]
+        stored: dict[int, _KVSource] = {}
+        seg_trace = ForwardTrace() if trace is not None else None
+        hs, positions = [], []
+        for i in range(len(bounds) - 1):
+            hit, end = bounds[i], bounds[i + 1]
+            start = hit - a.sliding_window if i else 0
+            h, pos = self._run_segment(ids[:end], start, hit, lo, truncation_mode, stored, seg_trace)
+            mine = pos >= hit
+            hs.append(h[mine])
+            positions.append(pos[mine])
+            if trace is not None:
+                _merge_trace(trace, seg_trace, T)
+        h, pos = torch.cat(hs), torch.cat(positions)
+        if trace is not None:
+            trace.final_hidden = h.clone()
+            trace.kept_positions = pos.clone()
+        return h, pos
+
+    def _run_segment(
+        self,
+        ids: torch.Tensor,
+        start: int,
+        hit: int,
+        lo: int,
+        truncation_mode: str,
+        stored: dict[int, _KVSource],
+        trace: ForwardTrace | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``start .. len(ids)-1``: every window clipped at ``start`` (decoder windows also at
+        ``lo``), KV sources' entries completed before ``hit`` taken from ``stored``, which gets
+        this segment's own entries. Returns the final hidden rows and their positions."""
+        a = self.arch
+        T = ids.numel()
         compact = truncation_mode == "compact" and lo > 0
 
-        pos = torch.arange(T, dtype=torch.long)
+        pos = torch.arange(start, T, dtype=torch.long)
         is_image = ids == a.image_token_id
-        ngram = self._ngram_ids(ids, pos, is_image)
+        # N-grams look back before the segment: the engine's token history holds those ids.
+        ngram = self._ngram_ids(ids, torch.arange(T, dtype=torch.long), is_image)[start:]
+        ids, is_image = ids[start:], is_image[start:]
+        R = T - start
 
         e = self.w["embed.weight"][ids].to(self.dtype)
-        streams = e.unsqueeze(1).expand(T, a.hc_mult, e.shape[-1]).contiguous()
-        pre_in = identity_pre(T, a.hc_mult)
+        streams = e.unsqueeze(1).expand(R, a.hc_mult, e.shape[-1]).contiguous()
+        pre_in = identity_pre(R, a.hc_mult)
         shared = _Shared()
+        segment = _Segment(start=start, hit=hit, stored=stored)
 
         for role in a.roles:
             L = role.layer_id
@@ -423,18 +569,22 @@ class ReferenceV41:
                 streams = self._engram_update(L, streams, ngram, is_image)
             pre_a, post_a, comb_a = self._mix(p, "attn", streams)
             x = rms_norm(hc_collapse(streams, pre_in), self.w[f"{p}.attn_norm.weight"], a.rms_norm_eps)
-            x_kv = x  # rows the compressor sees: every row of the sequence
+            x_kv = x  # rows the compressor sees: every row of the segment
             if compact and L == a.first_decoder_layer:
                 # Decoder truncation boundary: this layer's compressor and index keys read x_kv
                 # (all rows); everything else from here on runs on the kept rows only.
                 keep = pos >= lo
+                if not bool(keep.any()):
+                    # No row of the segment is kept: only the KV source's entries remain to compute.
+                    self._publish_kv(role, x_kv, segment, shared)
+                    return streams[:0, 0], pos[:0]
                 streams, post_a, comb_a, pre_a = streams[keep], post_a[keep], comb_a[keep], pre_a[keep]
                 x, pos, ids, is_image, ngram = x[keep], pos[keep], ids[keep], is_image[keep], ngram[keep]
                 for table in (shared.topk, shared.candidates):
                     for k in list(table):
                         table[k] = table[k][keep]
-            window_lo = lo if (role.is_decoder and lo > 0) else 0
-            attn = self._attention(role, x, x_kv, pos, T, window_lo, shared)
+            window_lo = max(start, lo) if (role.is_decoder and lo > 0) else start
+            attn = self._attention(role, x, x_kv, pos, T, window_lo, shared, segment)
             streams = hc_expand(attn, streams, post_a, comb_a)
 
             pre_f, post_f, comb_f = self._mix(p, "ffn", streams)
@@ -443,9 +593,6 @@ class ReferenceV41:
             pre_in = pre_f
 
         h = rms_norm(hc_collapse(streams, pre_in), self.w["norm.weight"], a.rms_norm_eps)
-        if trace is not None:
-            trace.final_hidden = h.clone()
-            trace.kept_positions = pos.clone()
         return h, pos
 
     def _mix(self, prefix: str, site: str, streams: torch.Tensor):
@@ -476,12 +623,13 @@ class ReferenceV41:
         seq_len: int,
         window_lo: int,
         shared: _Shared,
+        segment: _Segment,
     ) -> torch.Tensor:
         """CSA2 attention of one layer for the rows ``x`` at positions ``pos``.
 
-        ``x_kv`` is the attention input of EVERY position ``0..seq_len-1`` (the same tensor as
-        ``x`` unless a compact forward dropped rows at this layer); only a KV source's
-        compressor reads it.
+        ``x_kv`` is the attention input of EVERY position of the segment
+        ``segment.start..seq_len-1`` (the same tensor as ``x`` unless a compact forward dropped
+        rows at this layer); only a KV source's compressor reads it.
         """
         a = self.arch
         p = f"layers.{role.layer_id}.attn"
@@ -503,9 +651,9 @@ class ReferenceV41:
 
         if role.ratio > 0:
             if role.is_kv_source:
-                if x_kv.shape[0] != seq_len:
-                    raise AssertionError("a KV source must see every row of the sequence")
-                shared.kv[role.layer_id] = self._compress(role, x_kv)
+                if x_kv.shape[0] != seq_len - segment.start:
+                    raise AssertionError("a KV source must see every row of the segment")
+                self._publish_kv(role, x_kv, segment, shared)
             src = shared.kv[role.kv_source]
             if src.ratio != role.ratio:
                 raise AssertionError(f"layer {role.layer_id}: KV source ratio mismatch")
@@ -530,8 +678,31 @@ class ReferenceV41:
         ).to(x.dtype)
         return _linear(z.reshape(R, -1), w[f"{p}.wo_b.weight"])
 
-    def _compress(self, role: LayerRole, x_all: torch.Tensor) -> _KVSource:
-        """Compressed keys and index keys of every complete group (docs/architecture.md, "Compressor")."""
+    def _publish_kv(self, role: LayerRole, x_seg: torch.Tensor, segment: _Segment, shared: _Shared) -> None:
+        """A KV source's entries for the segment: those completed before the hit as stored by
+        the earlier segments (as first computed), the later ones from the segment's rows
+        ``x_seg`` (positions ``segment.start ..``); stored back for the segments after."""
+        r = role.ratio
+        start = segment.start
+        first_group = -(-start // r)  # groups the segment's rows hold whole
+        own = self._compress(role, x_seg[first_group * r - start :], first_group)
+        n_old = segment.hit // r  # entries closed before the hit
+        old = segment.stored.get(role.layer_id)
+        if n_old:
+            if old is None or old.comp.shape[0] < n_old:
+                raise AssertionError(f"layer {role.layer_id}: the earlier segments stored too few entries")
+            skip = n_old - first_group
+            own = _KVSource(
+                ratio=r,
+                comp=torch.cat([old.comp[:n_old], own.comp[skip:]]),
+                index_keys=torch.cat([old.index_keys[:n_old], own.index_keys[skip:]]),
+            )
+        shared.kv[role.layer_id] = own
+        segment.stored[role.layer_id] = own
+
+    def _compress(self, role: LayerRole, x_all: torch.Tensor, first_group: int = 0) -> _KVSource:
+        """Compressed keys and index keys of every complete group (docs/architecture.md,
+        "Compressor") of the rows ``x_all``, whose first row opens group ``first_group``."""
         a = self.arch
         p = f"layers.{role.layer_id}.attn"
         w = self.w
@@ -546,7 +717,8 @@ class ReferenceV41:
             r,
             self.dtype,
         )
-        first = torch.arange(lat.shape[0], dtype=torch.long) * r  # each group's first position
+        # Each group's first position.
+        first = (torch.arange(lat.shape[0], dtype=torch.long) + first_group) * r
         comp = nvfp4_qdq(apply_rope_tail(lat, first, cache))
         k = rms_norm(
             _linear(lat, w[f"{p}.indexer.wk.weight"]), w[f"{p}.indexer.k_norm.weight"], a.rms_norm_eps

@@ -1,7 +1,7 @@
 """``deepinfer-memory-plan``: what each rank holds for a V4.1 config, and the context that fits.
 
     deepinfer-memory-plan --config flash --dp 8 --ep 8 [--redundant-experts 8]
-    deepinfer-memory-plan --config flash --tp 8 [--engram-host] [--hbm-gib 141]
+    deepinfer-memory-plan --config flash --tp 8 [--engram-config '{"cpu_offload": false}'] [--hbm-gib 141]
     deepinfer-memory-plan --config DIR   (a checkpoint folder: config.json is enough)
 
 For every rank the real model class is built on the meta device, under vLLM's
@@ -21,14 +21,29 @@ ranks (``--ep`` is 1, or ``tp * dp`` with ``enable_expert_parallel``).
 ``--redundant-experts N`` plans expert load balancing with N redundant
 experts (vLLM's ``eplb_config.num_redundant_experts``): each rank then holds
 ``(n_routed_experts + N) / ep`` expert slots per layer, shown per rank.
-``--engram-host`` keeps Engram rows in (pinned) host memory, as DeepInfer
-does by default, and shows them in a host column instead of HBM.
+``--engram-config JSON`` is vLLM's ``engram_config`` (its field names and checks; vLLM's defaults
+when left out: ``cpu_offload`` on, ``dp_shared_memory`` on with ``--dp`` > 1), which the plugin
+follows on a GPU or NPU (``model_executor.engram_host``): with ``cpu_offload`` the Engram rows are
+shown in the host column instead of HBM, and the lines under the table give the HBM they free per
+rank and the host memory they need per rank and per host (``--ranks-per-host``; with
+``dp_shared_memory`` one copy per host, shared by its data-parallel ranks). ``--engram-host`` is the
+older spelling of ``--engram-config '{"cpu_offload": true, "dp_shared_memory": false}'``.
+
+Cached prefix tokens (rank 0's budget above): with vLLM's SWA bounded replay
+(default) a cached prefix keeps its global records and Engram ids only, and a
+hit may end at any block boundary (it replays its last window). With window
+KV in the prefix cache (``--no-swa-bounded-replay``) a hit also needs the
+window pages before its end: kept for every cached block with dense retention
+(``prefix_cache_retention_interval`` None), or, vLLM's default, one window per
+prompt end or shared-prefix junction (``--prefix-len`` tokens between them),
+hits then ending only there.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import sys
 import tempfile
@@ -208,6 +223,7 @@ def format_plan(
     reserve_gib: float,
     requests: int,
     engram_host: bool,
+    prefix_len: int = 8192,
 ) -> str:
     first = plans[0]
     lines = [
@@ -229,6 +245,7 @@ def format_plan(
             f"{_gb(w['embedding_head'])} {_gb(hbm)} {_gb(host)} {tokens:>12,}"
         )
     kinds = ", ".join(f"{k} {v:.1f}" for k, v in first.kv_per_token.items())
+    lines += _cached_prefix_lines(first, hbm_gib, utilization, reserve_gib, requests, engram_host, prefix_len)
     lines += [
         "slots: routed-expert slots per layer on the rank (whole experts; with --redundant-experts the "
         "redundant ones included; '-': every expert's slice)",
@@ -242,6 +259,95 @@ def format_plan(
         f"vision {_gb(first.not_held['vision']).strip()} GB",
     ]
     return "\n".join(lines)
+
+
+def cached_prefix_tokens(
+    p: RankPlan, hbm_gib: float, utilization: float, reserve_gib: float, requests: int, engram_host: bool,
+    prefix_len: int,
+) -> dict[str, int]:
+    """Prefix tokens rank ``p`` can keep cached after weights, reserve and the running requests'
+    window KV: ``replay`` with window KV out of the prefix cache (global records + Engram ids per
+    token), ``cached`` with every cached block keeping its window pages (dense retention),
+    ``cached_ends`` with one window's blocks (a running request's) per ``prefix_len`` tokens
+    (vLLM's sparse retention, hits only at those ends)."""
+    w = p.weights
+    hbm = sum(w.values()) - (w["engram"] if engram_host else 0)
+    budget = hbm_gib * GIB * utilization - hbm - reserve_gib * GIB - requests * p.window_per_request
+    kv = p.kv_per_token
+    kept = kv["global"] + kv.get("tokens", 0.0)
+    end_window = p.window_per_request / prefix_len
+    return {
+        "replay": max(0, int(budget // kept)),
+        "cached": max(0, int(budget // (kept + kv.get("window", 0.0)))),
+        "cached_ends": max(0, int(budget // (kept + end_window))),
+    }
+
+
+def _cached_prefix_lines(p: RankPlan, hbm_gib, utilization, reserve_gib, requests, engram_host, prefix_len):
+    n = cached_prefix_tokens(p, hbm_gib, utilization, reserve_gib, requests, engram_host, prefix_len)
+    kv = p.kv_per_token
+    kept = kv["global"] + kv.get("tokens", 0.0)
+    line = (
+        f"Cached prefix tokens, rank {p.rank}: {n['replay']:,} with window KV out of the prefix cache "
+        f"(vLLM's swa_bounded_replay, default: {kept:.1f} B/token, a hit replays its last window); "
+        f"with window KV cached (--no-swa-bounded-replay): {n['cached']:,} with dense retention "
+        f"({kept + kv.get('window', 0.0):.1f} B/token, hits at any block boundary), "
+        f"{n['cached_ends']:,} with vLLM's default sparse retention of {prefix_len:,}-token prefixes "
+        f"(hits only at their ends) ({n['replay'] / max(n['cached'], 1):.1f}x and "
+        f"{n['replay'] / max(n['cached_ends'], 1):.2f}x)"
+    )
+    return [line]
+
+
+def engram_config(config: dict | None, dp: int) -> dict:
+    """The fields of vLLM's ``engram_config`` for ``--engram-config`` (vLLM's class checks the field
+    names and resolves ``dp_shared_memory`` for ``dp`` data-parallel ranks, as vLLM does)."""
+    from types import SimpleNamespace
+
+    from vllm.config import EngramConfig
+
+    from deepinfer_vllm.model_executor.engram_host import FIELDS
+
+    cfg = EngramConfig(**(config or {}))
+    parallel = SimpleNamespace(data_parallel_size=dp, enable_elastic_ep=False)
+    cfg.resolve_dp_shared_memory(parallel)
+    cfg.verify_parallel_config(parallel)
+    return {name: getattr(cfg, name) for name in FIELDS}
+
+
+def engram_lines(config: str, plans: list[RankPlan], settings: dict, ranks_per_host: int) -> list[str]:
+    """Where the Engram rows go under ``settings`` (vLLM's engram_config): HBM they take or free per
+    rank, host memory per rank and per host (``engram_host.host_plan``)."""
+    from deepinfer_vllm.configs import V41Arch
+    from deepinfer_vllm.model_executor.engram_host import host_plan
+
+    with tempfile.TemporaryDirectory() as scratch:
+        text = (_config_dir(config, Path(scratch)) / "config.json").read_text()
+    arch = V41Arch.from_config(json.loads(text))
+    shown = ", ".join(f"{k}={v}" for k, v in settings.items())
+    tp = max(p.tp_rank for p in plans) + 1
+    dp = max(p.dp_rank for p in plans) + 1
+    rows_hbm = max(p.weights["engram"] for p in plans)
+    if not arch.engram_layer_ids:
+        return ["Engram: none in this config"]
+    if not settings["cpu_offload"]:
+        return [f"Engram rows in HBM ({shown}): {_gb(rows_hbm).strip()} GB per rank; no host memory"]
+    shared = bool(settings["dp_shared_memory"]) and dp > 1
+    host = host_plan(arch, tp, dp, ranks_per_host, shared)
+    on_host = min(ranks_per_host, tp * dp)
+    where = (
+        f"one copy per host shared by its data-parallel ranks (rows split over TP only), each rank "
+        f"mapping {_gb(host['mapped_per_rank']).strip()} GB of it"
+        if shared
+        else f"{_gb(host['per_rank']).strip()} GB per rank in its own memory"
+    )
+    return [
+        (
+            f"Engram rows in host memory ({shown}; on a GPU or NPU, on CPU they are host memory anyway): "
+            f"HBM freed per rank {_gb(rows_hbm).strip()} GB; host memory: {where}; "
+            f"{_gb(host['per_host']).strip()} GB per host of {on_host} ranks"
+        )
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -258,22 +364,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="expert load balancing's redundant experts (eplb_config num_redundant_experts)",
     )
-    parser.add_argument("--engram-host", action="store_true", help="Engram rows in host memory, not HBM")
+    parser.add_argument(
+        "--engram-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="vLLM's engram_config, e.g. '{\"cpu_offload\": false}' (default: vLLM's defaults)",
+    )
+    parser.add_argument("--engram-host", action="store_true", help=argparse.SUPPRESS)  # older spelling
+    parser.add_argument(
+        "--ranks-per-host", type=int, default=8, help="GPUs (ranks) per host, for host memory per host"
+    )
     parser.add_argument("--hbm-gib", type=float, default=141.0 * 1e9 / GIB, help="HBM per GPU (H200: 141 GB)")
     parser.add_argument("--utilization", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
     parser.add_argument("--reserve-gib", type=float, default=8.0, help="activations, workspace, CUDA context")
     parser.add_argument("--requests", type=int, default=256, help="running requests (window KV each)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
+    parser.add_argument(
+        "--prefix-len", type=int, default=8192, help="cached prefix length for the prefix-end bound"
+    )
     args = parser.parse_args(argv)
+    if args.engram_host and args.engram_config is None:
+        args.engram_config = {"cpu_offload": True, "dp_shared_memory": False}
+    engram = engram_config(args.engram_config, args.dp)
     plans = plan(args.config, args.tp, args.dp, args.ep, args.max_model_len, args.redundant_experts)
     print(
         f"deepinfer-memory-plan --config {args.config} --tp {args.tp} --dp {args.dp} --ep {args.ep}"
         + (f" --redundant-experts {args.redundant_experts}" if args.redundant_experts else "")
-        + (" --engram-host" if args.engram_host else "")
+        + (f" --engram-config '{json.dumps(args.engram_config)}'" if args.engram_config is not None else "")
     )
     print(
-        format_plan(plans, args.hbm_gib, args.utilization, args.reserve_gib, args.requests, args.engram_host)
+        format_plan(
+            plans, args.hbm_gib, args.utilization, args.reserve_gib, args.requests, engram["cpu_offload"],
+            args.prefix_len,
+        )
     )
+    print("\n".join(engram_lines(args.config, plans, engram, args.ranks_per_host)))
     return 0
 
 

@@ -58,6 +58,9 @@ def _alone_and_batched(checkpoint: str, invariant: str):
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         params = [_seeded(i) if i in SEEDED else _greedy() for i in range(len(prompts))]
         alone = [_result(llm.generate([prompts[i]], params[i], use_tqdm=False)[0]) for i in range(ALONE)]
+        # The batch must not hit what the lone runs cached: a hit replays its last window (vLLM's
+        # SWA bounded replay), which changes the numbers whatever the batching.
+        assert llm.reset_prefix_cache()
         batched = [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
         gc.collect()

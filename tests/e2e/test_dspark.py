@@ -3,7 +3,8 @@
 One engine per DSpark setting (k = 1, 3, 5; adaptive verification off and on), each with
 chunked prefill (64-token chunks), prefix caching, and a KV budget small enough to preempt.
 The target is ``tiny``'s (the ``tiny-dspark`` preset only adds a 5-token block and a
-trained draft), so the reference greedy continuations apply unchanged.
+trained draft), so the reference greedy continuations apply unchanged; after prefix hits and
+preemptions, with the replays the worker logged (vLLM's SWA bounded replay, on by default).
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ def test_batched_greedy_with_drafts_equals_the_target(engine, acceptance_prompts
     assert len(_per_position(llm)) == k
 
 
-def test_one_at_a_time_and_prefix_hit(engine, acceptance_prompts, tiny_greedy):
+def _admissions(llm, replay_admissions):
+    return replay_admissions(llm.collective_rpc("deepinfer_replay_log")[0])
+
+
+def test_one_at_a_time_and_prefix_hit(engine, acceptance_prompts, tiny_greedy, replay_admissions):
     _, llm = engine
     base = acceptance_prompts[2]
     first = base[:150] + [7, 8, 9]
@@ -78,8 +83,11 @@ def test_one_at_a_time_and_prefix_hit(engine, acceptance_prompts, tiny_greedy):
     out_first = llm.generate([_ids(first)], GREEDY)[0]
     out_second = llm.generate([_ids(second)], GREEDY)[0]
     assert out_second.num_cached_tokens >= 128, out_second.num_cached_tokens
-    assert list(out_first.outputs[0].token_ids) == tiny_greedy(first, 16)
-    assert list(out_second.outputs[0].token_ids) == tiny_greedy(second, 16)
+    admissions = _admissions(llm, replay_admissions)
+    assert admissions[out_second.request_id][0] == (out_second.num_cached_tokens, len(second))
+    for prompt, out in ((first, out_first), (second, out_second)):
+        want = tiny_greedy(prompt, 16, admissions=admissions[out.request_id])
+        assert list(out.outputs[0].token_ids) == want
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +111,14 @@ def test_accepted_drafts_keep_the_target_tokens(engine, fitted_prompts):
     assert _metric(llm, "vllm:spec_decode_num_accepted_tokens") > accepted_before, f"{name}: no draft accepted"
 
 
-def test_many_requests_preempt_and_stay_exact(engine, acceptance_prompts, reference_greedy):
+def test_many_requests_preempt_and_stay_exact(engine, acceptance_prompts, tiny_greedy, replay_admissions):
     _, llm = engine
     before = _metric(llm, "vllm:num_preemptions")
     prompts = acceptance_prompts * 3
     outs = llm.generate([_ids(p) for p in prompts], GREEDY)
-    assert [list(o.outputs[0].token_ids) for o in outs] == reference_greedy * 3
+    admissions = _admissions(llm, replay_admissions)
+    want = [tiny_greedy(p, 16, admissions=admissions[o.request_id]) for p, o in zip(prompts, outs)]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert _metric(llm, "vllm:num_preemptions") > before, "the KV budget did not force a preemption"
 
 

@@ -1,6 +1,8 @@
 """vllm.LLM on CPU with the plugin reproduces the reference, token for token (float32).
 
-One engine for the module: default scheduling (chunked prefill on, prefix caching on).
+One engine for the module: default scheduling (chunked prefill on, prefix caching on, vLLM's
+SWA bounded replay on: compact prefill truncation, and a replay of the last window after a
+prefix hit, which the reference reproduces from the hits the worker logged).
 """
 
 from __future__ import annotations
@@ -30,15 +32,24 @@ def _ids(prompt):
     return {"prompt_token_ids": prompt}
 
 
+def _admissions(llm, replay_admissions, out):
+    """``(hit, length)`` of each admission of ``out``'s request, from the worker's replay log."""
+    return replay_admissions(llm.collective_rpc("deepinfer_replay_log")[0]).get(out.request_id, [])
+
+
 def test_batched_greedy_matches_reference(llm, acceptance_prompts, reference_greedy):
     outs = llm.generate([_ids(p) for p in acceptance_prompts], GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == reference_greedy
 
 
-def test_one_at_a_time_greedy_matches_reference(llm, acceptance_prompts, reference_greedy):
-    for prompt, want in zip(acceptance_prompts, reference_greedy):
+def test_one_at_a_time_greedy_matches_reference(llm, acceptance_prompts, tiny_greedy, replay_admissions):
+    # After the batch above, the 200-token prompt hits its first 192 tokens and replays
+    # 184..191; the shorter ones hit nothing (no whole block before their last token).
+    for prompt in acceptance_prompts:
         out = llm.generate([_ids(prompt)], GREEDY)[0]
-        assert list(out.outputs[0].token_ids) == want
+        admissions = _admissions(llm, replay_admissions, out)
+        assert admissions == [(out.num_cached_tokens, len(prompt))]
+        assert list(out.outputs[0].token_ids) == tiny_greedy(prompt, 16, admissions=admissions)
 
 
 def test_prompt_logprobs_match_reference(llm, acceptance_prompts, tiny_reference):
@@ -60,14 +71,19 @@ def test_prompt_logprobs_match_reference(llm, acceptance_prompts, tiny_reference
     assert worst < 1e-4, worst
 
 
-def test_prefix_cache_hit_gives_identical_tokens(llm, acceptance_prompts, tiny_greedy):
+def test_prefix_cache_hit_gives_the_reference_replay_tokens(llm, acceptance_prompts, tiny_greedy, replay_admissions):
     base = acceptance_prompts[2]  # 200 tokens: three 64-token blocks are cacheable
     first = base[:150] + [7, 8, 9]
     second = base[:150] + [11, 12, 13, 14]
     llm.generate([_ids(first)], GREEDY)
     out = llm.generate([_ids(second)], GREEDY)[0]
     assert out.num_cached_tokens >= 128, out.num_cached_tokens
-    assert list(out.outputs[0].token_ids) == tiny_greedy(second, 16)
+    # The hit's last window (8 tokens) was replayed: the tokens are the reference's with that
+    # replay, which differ here from a whole recomputation's.
+    admissions = _admissions(llm, replay_admissions, out)
+    assert admissions == [(out.num_cached_tokens, len(second))]
+    assert list(out.outputs[0].token_ids) == tiny_greedy(second, 16, admissions=admissions)
+    assert tiny_greedy(second, 16, admissions=admissions) != tiny_greedy(second, 16)
 
 
 def test_image_request_gets_a_clear_error_and_the_engine_keeps_serving(llm, acceptance_prompts, reference_greedy):

@@ -83,12 +83,13 @@ DP = pytest.mark.xdist_group("dp_server")
 
 @TP
 def test_tp2_greedy_and_logprobs_match_one_rank(
-    tp_server, acceptance_prompts, reference_greedy, tiny_reference
+    tp_server, acceptance_prompts, reference_greedy_full_prefill, tiny_reference
 ):
     url, _ = tp_server
     choices = [_complete(url, p) for p in acceptance_prompts]
-    # One rank equals the reference token for token (test_llm_matches_reference).
-    assert [c["token_ids"] for c in choices] == reference_greedy
+    # One rank equals the reference token for token (test_llm_matches_reference); requests asking
+    # prompt logprobs compute every prompt row (no prefill truncation, no prefix-cache hit).
+    assert [c["token_ids"] for c in choices] == reference_greedy_full_prefill
     worst = _logprob_error(
         tiny_reference,
         acceptance_prompts,
@@ -163,7 +164,8 @@ def _complete(url: str, prompt: list[int], max_tokens: int = 16, engine: int | N
 def _concurrent_greedy_and_logprob_error(url, prompts, reference_greedy, tiny_reference) -> float:
     """The prompts sent at once (vLLM's balancer spreads them over the data-parallel engines, the
     idle one running dummy batches through the same collectives): asserts the reference's greedy
-    tokens and returns the largest prompt-logprob error."""
+    tokens (every prompt row computed: the requests ask prompt logprobs) and returns the largest
+    prompt-logprob error."""
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         choices = list(pool.map(lambda p: _complete(url, p), prompts))
     assert [c["token_ids"] for c in choices] == reference_greedy
@@ -176,10 +178,12 @@ def _concurrent_greedy_and_logprob_error(url, prompts, reference_greedy, tiny_re
 
 @DP
 def test_dp2_ep_server_greedy_and_logprobs_match_one_rank(
-    dp_server, acceptance_prompts, reference_greedy, tiny_reference
+    dp_server, acceptance_prompts, reference_greedy_full_prefill, tiny_reference
 ):
     url, log_path = dp_server
-    worst = _concurrent_greedy_and_logprob_error(url, acceptance_prompts, reference_greedy, tiny_reference)
+    worst = _concurrent_greedy_and_logprob_error(
+        url, acceptance_prompts, reference_greedy_full_prefill, tiny_reference
+    )
     print(f"DP=2 + EP prompt logprobs: max |d| = {worst:.2e}")
     assert worst < 1e-3
     # Both engines served prompts (vLLM's per-engine stats lines).
@@ -270,7 +274,7 @@ def _moving_rebalances(log_path) -> list[tuple[int, int]]:
 
 @DP
 def test_dp2_ep_server_tokens_unchanged_after_expert_rebalances(
-    dp_server, acceptance_prompts, reference_greedy, tiny_reference
+    dp_server, acceptance_prompts, reference_greedy_full_prefill, tiny_reference
 ):
     """EPLB on: after at least two rebalances that moved experts between the workers (the maps
     changed), the acceptance prompts still give the reference's greedy tokens and prompt
@@ -286,6 +290,8 @@ def test_dp2_ep_server_tokens_unchanged_after_expert_rebalances(
             list(pool.map(lambda e: _complete(url, filler, engine=e), (0, 1)))
     moved = _moving_rebalances(log_path)
     assert len(moved) >= 2 and all(n > 0 for _, n in moved), moved
-    worst = _concurrent_greedy_and_logprob_error(url, acceptance_prompts, reference_greedy, tiny_reference)
+    worst = _concurrent_greedy_and_logprob_error(
+        url, acceptance_prompts, reference_greedy_full_prefill, tiny_reference
+    )
     print(f"DP=2 + EP + EPLB after {len(moved)} moving rebalances: prompt logprobs max |d| = {worst:.2e}")
     assert worst < 1e-3

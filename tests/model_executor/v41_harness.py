@@ -49,6 +49,8 @@ def single_rank_groups() -> None:
 class _Request:
     tokens: list[int] = field(default_factory=list)
     blocks: dict[str, list[int]] = field(default_factory=dict)
+    prompt_len: int | None = None  # what the runner passes as its prompt length (None: the length after each step)
+    replay_start: int = 0  # SWA bounded replay: first position it holds window KV from
 
 
 class PagedHarness:
@@ -67,10 +69,13 @@ class PagedHarness:
     ):
         """``load_weights=False`` leaves the parameters uninitialised (benchmarks fill them);
         ``ring_blocks``: blocks of the compressor-ring caches (one per request; default
-        ``num_blocks``); ``engine_args`` go to vLLM's ``EngineArgs`` (e.g. ``max_num_seqs``)."""
+        ``num_blocks``); ``engine_args`` go to vLLM's ``EngineArgs`` (e.g. ``max_num_seqs``).
+        vLLM's ``swa_bounded_replay`` is off unless asked for (``swa_bounded_replay=True``):
+        every layer then runs every prompt row, the reference's default."""
         import deepinfer_vllm
 
         deepinfer_vllm.register()
+        engine_args.setdefault("swa_bounded_replay", False)
         args = EngineArgs(
             model=model_dir,
             dtype=dtype,
@@ -116,6 +121,29 @@ class PagedHarness:
         self._next_block = defaultdict(lambda: itertools.count(1))
         self.requests: dict[str, _Request] = {}
 
+    def prefix_hit(self, rid: str, source: str, hit: int, prompt_len: int | None = None) -> list[int]:
+        """Admit ``rid`` as vLLM's scheduler does after a prefix-cache hit of ``hit`` tokens on
+        ``source``'s blocks under SWA bounded replay: the prefix-cacheable caches take
+        ``source``'s blocks covering the hit (a block the hit ends inside is copied, as
+        copy-on-write would), the others (window KV, compressor ring) start empty, and the
+        request holds its first ``hit - W`` tokens with window KV from ``hit - W`` on.
+        Returns the tokens to replay (the hit's last ``W``)."""
+        src = self.requests[source]
+        start = hit - self.model.arch.sliding_window
+        req = _Request(tokens=src.tokens[:start], prompt_len=prompt_len, replay_start=start)
+        whole, partial = divmod(hit, self.block_size)
+        for name, layer in self.model.cache_layers.items():
+            if not layer.get_kv_cache_spec(self.cfg).prefix_cacheable:
+                continue
+            blocks = src.blocks[name][:whole]
+            if partial:
+                copy = next(self._next_block[name])
+                layer.kv_cache[copy] = layer.kv_cache[src.blocks[name][whole]]
+                blocks = blocks + [copy]
+            req.blocks[name] = blocks
+        self.requests[rid] = req
+        return src.tokens[start:hit]
+
     def add_context(self, rid: str, length: int, token: int = 3) -> None:
         """A request whose first ``length`` tokens count as cached (whatever the cache holds)."""
         self.requests[rid] = _Request(tokens=[token] * length)
@@ -137,8 +165,8 @@ class PagedHarness:
     def step(self, chunks: list[tuple[str, list[int]]], prompt_lens: list[int] | None = None) -> torch.Tensor:
         """Run one step; ``chunks`` = [(request id, new token ids)]. Returns logits [T, V].
 
-        ``prompt_lens`` (per chunk) is what DeepInfer's runner passes; default:
-        each request's length after this step."""
+        ``prompt_lens`` (per chunk) is what DeepInfer's runner passes; default: the request's
+        ``prompt_len`` where set, else its length after this step."""
         return self.run(self.prepare(chunks, prompt_lens))
 
     def run(self, prepared: tuple) -> torch.Tensor:
@@ -157,21 +185,26 @@ class PagedHarness:
         """The host part of a step, as vLLM's runner does it before the forward: block
         tables, inputs and metadata on the device. Returns ``(ids, positions, metadata)``.
         ``table_width``: block-table columns (default: the widest request's blocks)."""
-        ids, positions, qsl, seq_lens, ctx_lens = [], [], [0], [], []
+        ids, positions, qsl, seq_lens, ctx_lens, own_prompt_lens, replay = [], [], [0], [], [], [], []
+        window = self.model.arch.sliding_window
         for rid, new in chunks:
             req = self.requests.setdefault(rid, _Request())
             start = len(req.tokens)
+            # As DeepInfer's runner: a replay start only while the request is inside its replay.
+            replay.append(req.replay_start if start < req.replay_start + window else 0)
             req.tokens.extend(new)
             ids.extend(new)
             positions.extend(range(start, start + len(new)))
             qsl.append(qsl[-1] + len(new))
             seq_lens.append(len(req.tokens))
             ctx_lens.append(start)
+            own_prompt_lens.append(req.prompt_len if req.prompt_len is not None else len(req.tokens))
         dev = self.device
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-        prompt_lens_t = torch.tensor(prompt_lens if prompt_lens is not None else seq_lens, device=dev)
+        prompt_lens_t = torch.tensor(prompt_lens if prompt_lens is not None else own_prompt_lens, device=dev)
+        replay_t = torch.tensor(replay, dtype=torch.int64, device=dev) if any(replay) else None
         metadata = {}
         for name, layer in self.model.cache_layers.items():
             ring = layer.kind == "ring"
@@ -201,6 +234,7 @@ class PagedHarness:
                 self._builders[name] = builder
             metadata[name] = builder.build(0, common)
             metadata[name].prompt_lens = prompt_lens_t
+            metadata[name].replay_start = replay_t
         self.last_metadata = metadata
         self.last_request_ids = [rid for rid, _ in chunks]
         return torch.tensor(ids, device=dev), positions_t, metadata

@@ -120,3 +120,20 @@ def test_redundant_experts_must_split_over_the_ranks():
         plan("flash", tp=1, dp=8, ep=8, redundant_experts=4)
     with pytest.raises(ValueError, match="--redundant-experts needs expert parallelism"):
         plan("flash", tp=8, redundant_experts=8)
+
+
+def test_cached_prefix_tokens_with_window_kv_out_of_the_prefix_cache():
+    """Per cached prefix token, window KV out of the cache keeps the global records and the Engram
+    ids (890 + 4 B); cached with the prefix, the window pages of all 40 layers besides
+    (40 x 528 B, docs/architecture.md, "Bytes per token"): 24.6x fewer tokens fit."""
+    from deepinfer_vllm.tools.memory_plan import GIB, cached_prefix_tokens
+
+    (rank,) = plan("flash", tp=8, dp=1, ep=1, max_model_len=4096)[:1]
+    args = {"hbm_gib": 141e9 / GIB, "utilization": 0.9, "reserve_gib": 8.0, "requests": 256, "engram_host": False}
+    n = cached_prefix_tokens(rank, prefix_len=8192, **args)
+    budget = 141e9 * 0.9 - sum(rank.weights.values()) - 8 * GIB - 256 * rank.window_per_request
+    assert n["replay"] == int(budget // (890 + 4))
+    assert n["cached"] == int(budget // (890 + 4 + 40 * 528))
+    assert 24.5 < n["replay"] / n["cached"] < 24.7
+    # Hit only at the ends of 8192-token prefixes, each keeps one running request's window pages.
+    assert n["cached"] < n["cached_ends"] < n["replay"]

@@ -37,6 +37,10 @@ class StepState:
     num_reqs: int
     max_seq_len: int = 0  # host upper bound of ``seq_lens`` (0: unknown)
     max_query_len: int = 0  # host upper bound of any request's tokens in the step (0: unknown)
+    # SWA bounded replay: [R] first position each request holds window KV from (a prefix
+    # hit's replay start, else 0), and the same per token [T]; None when no request replays.
+    replay_start: torch.Tensor | None = None
+    window_start: torch.Tensor | None = None
     # Prefill truncation: first position whose decoder-layer window KV exists
     # (per token), or None when truncation is off.
     decoder_window_start: torch.Tensor | None = None
@@ -47,8 +51,9 @@ class StepState:
     has_caches: bool = True
 
     @classmethod
-    def from_metadata(cls, attn_metadata: dict, any_layer: str) -> "StepState":
+    def from_metadata(cls, attn_metadata: dict, any_layer: str) -> StepState:
         meta = attn_metadata[any_layer]
+        replay = meta.replay_start
         return cls(
             attn_metadata=attn_metadata,
             positions=meta.positions,
@@ -58,10 +63,12 @@ class StepState:
             num_reqs=meta.num_reqs,
             max_seq_len=meta.max_seq_len,
             max_query_len=meta.max_query_len,
+            replay_start=replay,
+            window_start=None if replay is None else replay[meta.token_req],
         )
 
     @classmethod
-    def without_caches(cls, positions: torch.Tensor) -> "StepState":
+    def without_caches(cls, positions: torch.Tensor) -> StepState:
         """The step of a profiling or dummy run: each token alone, nothing cached."""
         T = positions.shape[0]
         rows = torch.arange(T, dtype=torch.int64, device=positions.device)
@@ -80,12 +87,27 @@ class StepState:
         return int(self.positions.shape[0])
 
     @property
-    def prompt_lens(self) -> torch.Tensor | None:
-        if not self.attn_metadata:
-            return None
-        return next(iter(self.attn_metadata.values())).prompt_lens
+    def _any_metadata(self) -> V41StepMetadata | None:
+        return next(iter(self.attn_metadata.values()), None)
 
-    def subset(self, rows: torch.Tensor) -> "StepState":
+    @property
+    def prompt_lens(self) -> torch.Tensor | None:
+        meta = self._any_metadata
+        return None if meta is None else meta.prompt_lens
+
+    @property
+    def full_prefill(self) -> torch.Tensor | None:
+        """[R] bool, requests that keep every prompt row (prompt logprobs), or None."""
+        meta = self._any_metadata
+        return None if meta is None else meta.full_prefill
+
+    @property
+    def prompt_rows(self) -> bool:
+        """Host: whether some token of the step lies below its request's prompt length."""
+        meta = self._any_metadata
+        return meta is not None and meta.prompt_rows
+
+    def subset(self, rows: torch.Tensor) -> StepState:
         """The same step restricted to ``rows`` (compact prefill truncation).
 
         Per-token state (positions, top-k, kept blocks) is sliced; per-request state
@@ -100,6 +122,8 @@ class StepState:
             num_reqs=self.num_reqs,
             max_seq_len=self.max_seq_len,
             max_query_len=self.max_query_len,
+            replay_start=self.replay_start,
+            window_start=None if self.window_start is None else self.window_start[rows],
             decoder_window_start=(
                 None if self.decoder_window_start is None else self.decoder_window_start[rows]
             ),

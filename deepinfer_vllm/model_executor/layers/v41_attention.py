@@ -162,11 +162,11 @@ class V41Attention(nn.Module):
     def _load_sink(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded[self.head_start : self.head_start + self.num_local_heads])
 
-    def bind_kv_source(self, source: "V41Attention") -> None:
+    def bind_kv_source(self, source: V41Attention) -> None:
         self._kv_source[:] = [source]
 
     @property
-    def kv_source(self) -> "V41Attention":
+    def kv_source(self) -> V41Attention:
         return self._kv_source[0]
 
     # ------------------------------------------------------------------ helpers
@@ -257,10 +257,14 @@ class V41Attention(nn.Module):
         )
 
     def _window_lower_bound(self, state: StepState) -> torch.Tensor:
-        """Lowest position whose window KV this layer keeps, per token."""
+        """Lowest position whose window KV this layer keeps, per token: a replayed prefix hit's
+        replay start in every layer (no window KV exists below it), and in decoder layers
+        also prefill truncation's kept range."""
+        lo = state.window_start
         if state.decoder_window_start is not None and self.role.is_decoder:
-            return state.decoder_window_start
-        return torch.zeros_like(state.positions)
+            dec = state.decoder_window_start
+            lo = dec if lo is None else torch.maximum(lo, dec)
+        return torch.zeros_like(state.positions) if lo is None else lo
 
     # ------------------------------------------------------------- compressor
     def write_compressed(self, x: torch.Tensor, state: StepState) -> None:
@@ -303,12 +307,25 @@ class V41Attention(nn.Module):
             lat, entry_req, entry, keep = self.pool_pairs(first_rows, rows, closes, req, pos // 2, x.dtype)
             if lat.shape[0] == 0:
                 return
+        if state.replay_start is not None:
+            keep = self._not_replayed(state, entry_req, entry, keep)
         lat = comp.norm(lat)
         first_pos = entry * r
         idx = self.indexer
         k = idx.k_norm(linear(idx.wk, lat))
         for cache, rows_out in ((self.compressed_cache, lat), (self.index_cache, k)):
             self._store(PagedView(cache, state), entry_req, entry, self._rope(rows_out, first_pos), keep)
+
+    def _not_replayed(
+        self, state: StepState, entry_req: torch.Tensor, entry: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``keep`` without the entries a prefix hit's replay completes: those closed at
+        positions ``[replay_start, replay_start + W)`` stay in the cache as first computed
+        (docs/design-notes.md, "Window KV out of the prefix cache")."""
+        start = state.replay_start[entry_req]
+        close = entry * self.role.ratio + (self.role.ratio - 1)
+        replayed = (start > 0) & (close >= start) & (close < start + self.arch.sliding_window)
+        return ~replayed if keep is None else keep & ~replayed
 
     # ---------------------------------------------------------------- indexer
     def _select(self, x: torch.Tensor, c_q: torch.Tensor, state: StepState) -> torch.Tensor:

@@ -37,7 +37,7 @@ from vllm.model_executor.models.interfaces import MixtureOfExperts
 from vllm.model_executor.models.utils import make_layers
 
 from deepinfer_vllm import envs
-from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches
+from deepinfer_vllm.attention_backends.cache_layout import bytes_per_token, model_caches, swa_bounded_replay
 from deepinfer_vllm.attention_backends.mla_swa import V41CacheLayer
 from deepinfer_vllm.configs import LayerRole, V41Arch
 from deepinfer_vllm.configs import checkpoint
@@ -45,7 +45,13 @@ from deepinfer_vllm.model_executor.eplb import check_eplb, eplb_settings
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, check_vllm_parallel
 from deepinfer_vllm.model_executor.layers.step_state import StepState
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
-from deepinfer_vllm.model_executor.layers.v41_engram import EngramTables, TokenHistory, V41Engram
+from deepinfer_vllm.model_executor.engram_host import engram_placement
+from deepinfer_vllm.model_executor.layers.v41_engram import (
+    EngramRuntime,
+    EngramTables,
+    TokenHistory,
+    V41Engram,
+)
 from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collapse_norm
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
 from deepinfer_vllm.model_executor.layers.linear import linear
@@ -80,6 +86,7 @@ class DeepseekV41Block(nn.Module):
         quant_config,
         layout: ParallelLayout,
         redundant: int | None = None,
+        engram_placement=None,
     ):
         super().__init__()
         self.arch = arch
@@ -96,15 +103,20 @@ class DeepseekV41Block(nn.Module):
         if role.has_engram:
             idx = list(arch.engram_layer_ids).index(role.layer_id)
             self.engram = V41Engram(
-                arch, role.layer_id, arch.engram_num_embeddings[idx], quant_config, layout, f"{prefix}.engram"
+                arch,
+                role.layer_id,
+                arch.engram_num_embeddings[idx],
+                quant_config,
+                layout,
+                f"{prefix}.engram",
+                engram_placement,
             )
 
     def forward(self, streams, pre_in, input_ids, state: StepState, engram_inputs, keep_rows=None):
         """One block; with ``keep_rows`` (compact truncation boundary) the
         compressor still sees every row, everything after it only those rows."""
         if self.engram is not None:
-            ngram_ids, tables, is_image = engram_inputs
-            streams = self.engram(streams, ngram_ids, tables, is_image)
+            streams = self.engram(streams, engram_inputs)
         pre_a, post_a, comb_a = self.hc_attn.mix(streams)
         x = collapse_norm(streams, pre_in, self.attn_norm)
         write_compressed = True
@@ -136,10 +148,16 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         check_vllm_parallel(arch, vllm_config.parallel_config)
         self.layout = layout = ParallelLayout.from_vllm(vllm_config)
         self.dtype = model_config.dtype
-        self.truncation_mode, self.truncation_keep = envs.prefill_truncation_settings(arch.sliding_window)
-        if self.truncation_mode == "compact" and any(
-            i >= arch.first_decoder_layer for i in arch.engram_layer_ids
-        ):
+        # vLLM's SWA bounded replay turns DeepInfer's compact truncation of the decoder half on
+        # (docs/design-notes.md, "Prefill truncation"); the variable overrides it.
+        engram_in_decoder = any(i >= arch.first_decoder_layer for i in arch.engram_layer_ids)
+        default_mode = "off"
+        if swa_bounded_replay(vllm_config):
+            default_mode = "mask" if engram_in_decoder else "compact"
+        self.truncation_mode, self.truncation_keep = envs.prefill_truncation_settings(
+            arch.sliding_window, default_mode
+        )
+        if self.truncation_mode == "compact" and engram_in_decoder:
             raise ValueError("compact prefill truncation needs every Engram layer before the decoder half")
         quant_config = vllm_config.quant_config
         if not isinstance(quant_config, DeepInferV41QuantConfig):
@@ -158,6 +176,8 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             arch.vocab_size, arch.hidden_size, quant_config=quant_config, prefix="embed"
         )
 
+        # Engram rows in device or host memory (vLLM's engram_config, ``model_executor.engram_host``).
+        self.engram_placement = engram_placement(vllm_config, arch, layout)
         self.eplb = eplb_settings(vllm_config)
         redundant = None
         if self.eplb is not None:
@@ -168,7 +188,15 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             role = arch.roles[int(prefix.rsplit(".", 1)[1])]
             rope = main_rope if role.ratio == 0 else comp_rope
             return DeepseekV41Block(
-                arch, role, rope, prefix, self.cache_layers, quant_config, layout, redundant
+                arch,
+                role,
+                rope,
+                prefix,
+                self.cache_layers,
+                quant_config,
+                layout,
+                redundant,
+                self.engram_placement,
             )
 
         _, _, self.layers = make_layers(arch.num_layers, block, prefix="layers")
@@ -194,10 +222,15 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
 
         self.engram_tables: EngramTables | None = None
         self.token_history: TokenHistory | None = None
+        self.engram_runtime: EngramRuntime | None = None
         if arch.engram_layer_ids:
             history = next(d for d in model_caches(arch) if d.kind == "tokens")
             self.token_history = TokenHistory(history, self.cache_layers)
             self.engram_tables = EngramTables(arch)
+            tables = {b.role.layer_id: b.engram.embed for b in self.layers if b.engram is not None}
+            self.engram_runtime = EngramRuntime(
+                self.engram_tables, self.token_history, tables, self.engram_placement, layout
+            )
         # Element size of the checkpoint tensor each parameter was loaded from
         # (``tools.weight_bytes`` compares resident bytes with checkpoint bytes).
         self.checkpoint_element_size: dict[str, int] = {}
@@ -239,6 +272,12 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             )
 
     # --------------------------------------------------------------- forward
+    @property
+    def engram_host_window_depth(self) -> int:
+        """Columns of the n-gram windows a runner puts in the step metadata (``engram_windows``)
+        when the host hashes the Engram rows it keeps (``copy`` transfer); 0: none needed."""
+        return self.engram_runtime.window_depth if self.engram_runtime is not None else 0
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids).to(self.dtype)
 
@@ -267,15 +306,9 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         pre = identity_pre(T, arch.hc_mult, device=x.device)
         is_image = input_ids == arch.image_token_id
         engram_inputs = None
-        if self.token_history is not None:
-            if state.has_caches:
-                raw = self.token_history.record_and_read(input_ids, state, arch.engram_max_ngram_size)
-            else:
-                raw = torch.full((T, arch.engram_max_ngram_size), -1, dtype=torch.int64, device=x.device)
-                raw[:, 0] = input_ids
-            history_image = raw == arch.image_token_id
-            ngram_ids = self.engram_tables.ngram_ids(raw, history_image)
-            engram_inputs = (ngram_ids, self.engram_tables, is_image)
+        if self.engram_runtime is not None:
+            # Every Engram layer's rows, hashed now; rows in host memory start moving to the device.
+            engram_inputs = self.engram_runtime.start(input_ids, state, is_image)
         rows = torch.arange(T, device=x.device)
         compact_rows = self._apply_prefill_truncation(state) if state.has_caches else None
         targets = arch.dspark_target_layer_ids if self.mtp is not None and state.has_caches else ()
@@ -327,10 +360,11 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         Decoder layers keep window KV only for the last ``keep`` prompt
         positions and clip every window there; ``compact`` additionally
         computes them only for those rows (plus each request's last row, so a
-        chunk before the kept rectangle still has a row to sample).
-        Returns the kept row indices for ``compact``, else None.
+        chunk before the kept rectangle still has a row to sample). Requests
+        asking for prompt logprobs keep every row. A step without prompt rows
+        has nothing to clip. Returns the kept row indices for ``compact``, else None.
         """
-        if self.truncation_mode == "off":
+        if self.truncation_mode == "off" or not state.prompt_rows:
             return None
         prompt_lens = state.prompt_lens
         if prompt_lens is None:
@@ -339,6 +373,8 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
                 "run V4.1 with a DeepInfer worker (its platforms select one)"
             )
         start = (prompt_lens - self.truncation_keep).clamp_min(0)
+        if state.full_prefill is not None:
+            start = start.masked_fill(state.full_prefill, 0)
         state.decoder_window_start = start[state.token_req]
         if self.truncation_mode != "compact":
             return None
@@ -399,6 +435,7 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
             )
         if self.engram_tables is not None:
             self.engram_tables.set_vocab(_engram_vocab_map(self.model_config, self.arch))
+            self.engram_runtime.loaded()
         self._log_resident_bytes()
         return loaded
 

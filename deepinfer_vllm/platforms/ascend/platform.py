@@ -93,6 +93,12 @@ class DeepInferAscendPlatform(Platform):
     # ``TorchNPU.ue8m0_dtype``). The model asks the platform through vLLM's
     # ``current_platform`` (``model_executor.layers.params.ue8m0_dtype``); the layer decides.
     ue8m0_storage_dtype: torch.dtype = _LAYER.ue8m0_dtype
+    # How a step's Engram rows reach the NPU when vLLM's engram_config keeps them in host memory
+    # (``cpu_offload``, vLLM's default): the host hashes the step's n-grams from its own token
+    # ids, gathers the rows and copies them to device buffers (``model_executor.engram_host``);
+    # no device view of host memory is assumed on an NPU. DeepInfer itself keeps them in HBM on
+    # Ascend (``DEEPINFER_ENGRAM_FORCE_GPU_STORAGE``): ``engram_config={"cpu_offload": false}``.
+    engram_host_transfer: str = "copy"
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:

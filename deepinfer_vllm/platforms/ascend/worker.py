@@ -343,9 +343,16 @@ class DeepInferNPUWorker(V41WorkerMixin, Worker):
         )
 
     def deepinfer_runner_info(self) -> dict:
-        """The runner's class, device and buffer residency (``collective_rpc``)."""
+        """The runner's class, device and buffer residency, and where the model keeps its Engram
+        rows (``collective_rpc``)."""
         runner = self.model_runner
-        return {"runner": type(runner).__name__, "device": str(runner.device), **runner.buffer_residency()}
+        engram = getattr(runner.get_model(), "engram_runtime", None)
+        return {
+            "runner": type(runner).__name__,
+            "device": str(runner.device),
+            **runner.buffer_residency(),
+            "engram": engram.report() if engram is not None else None,
+        }
 
     def shutdown(self) -> None:
         try:

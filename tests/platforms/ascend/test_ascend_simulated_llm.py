@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(
         from vllm.platforms import current_platform
         model, prompts, extra = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
         mixed = extra.pop("mixed_sampling", False)
-        settings = dict(max_num_batched_tokens=32, num_gpu_blocks_override=24)
+        settings = dict(max_num_batched_tokens=32, num_gpu_blocks_override=20)
         settings.update(extra)
         llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enable_chunked_prefill=True,
                   enable_prefix_caching=True, disable_log_stats=False, **settings)
@@ -50,9 +50,12 @@ SCRIPT = textwrap.dedent(
         preempt0 = metric("vllm:num_preemptions")
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
         batched = [list(o.outputs[0].token_ids) for o in outs]
+        request_ids = [o.request_id for o in outs]
         preempted = metric("vllm:num_preemptions") - preempt0
         hits0 = metric("vllm:prefix_cache_hits")
-        again = list(llm.generate([{"prompt_token_ids": prompts[2]}], greedy)[0].outputs[0].token_ids)
+        again_out = llm.generate([{"prompt_token_ids": prompts[2]}], greedy)[0]
+        again = list(again_out.outputs[0].token_ids)
+        request_ids.append(again_out.request_id)
         hits = metric("vllm:prefix_cache_hits") - hits0
         mixed_out, mixed_drafts = None, None
         if mixed:
@@ -74,6 +77,7 @@ SCRIPT = textwrap.dedent(
             "block_size": cfg.cache_config.block_size, "runner": runner,
             "batched": batched, "again": again, "preemptions": preempted, "prefix_hits": hits,
             "drafts": metric("vllm:spec_decode_num_drafts"),
+            "request_ids": request_ids, "replays": llm.collective_rpc("deepinfer_replay_log")[0],
         }))
     """
 )
@@ -172,18 +176,39 @@ def _run(checkpoint, prompts, tmp_path, drop_copies=False, **extra) -> tuple[dic
 
 
 @pytest.mark.xdist_group("test_simulated_npu_engine_matches_reference")  # one engine each: side by side
-def test_simulated_npu_engine_matches_reference(tiny_checkpoint, acceptance_prompts, reference_greedy, tmp_path):
+def _replayed_reference(result, prompts, tiny_greedy, replay_admissions):
+    """The reference's tokens of the batch and the repeated prompt, with the prefix hits and
+    preemptions the worker logged (SWA bounded replay)."""
+    admissions = replay_admissions(result["replays"])
+    want = [tiny_greedy(p, 16, admissions=admissions[r]) for p, r in zip(prompts, result["request_ids"])]
+    return want, tiny_greedy(prompts[2], 16, admissions=admissions[result["request_ids"][3]])
+
+
+def test_simulated_npu_engine_matches_reference(
+    tiny_checkpoint, acceptance_prompts, tiny_greedy, replay_admissions, tmp_path
+):
     result, log = _run(tiny_checkpoint, acceptance_prompts, tmp_path)
-    assert result["batched"] == reference_greedy
-    assert result["again"] == reference_greedy[2]
+    batched, again = _replayed_reference(result, acceptance_prompts, tiny_greedy, replay_admissions)
+    assert result["batched"] == batched
+    assert result["again"] == again
+    # The repeated prompt's hit was replayed (SWA bounded replay on the NPU runner too).
+    assert any(start for _, start, _ in result["replays"]), result["replays"]
     assert result["preemptions"] > 0, "the KV budget did not force a preemption"
     assert result["prefix_hits"] > 0, "the repeated prompt did not hit the prefix cache"
     assert "DeepInfer V4.1 on Ascend (Ascend950PR (simulated), simulated on CPU tensors)" in log
     assert "dspark=off" in log
+    # vLLM's default engram_config (cpu_offload): Engram rows in host memory, every step's rows
+    # hashed on the host and copied into separate device buffers (model_executor.engram_host).
+    engram = result["runner"]["engram"]
+    assert engram["transfer"] == "copy" and engram["device_bytes"] == 0, engram
+    assert engram["host_bytes"] == 290 * (32 + 1) and engram["rows_moved"] > 0, engram
+    assert "DeepInfer V4.1 Engram: rows in host memory (cpu_offload=True), copy transfer" in log
 
 
 @pytest.mark.xdist_group("test_simulated_npu_dspark_is_lossless")  # one engine each: side by side
-def test_simulated_npu_dspark_is_lossless(tiny_dspark_checkpoint, acceptance_prompts, reference_greedy, tmp_path):
+def test_simulated_npu_dspark_is_lossless(
+    tiny_dspark_checkpoint, acceptance_prompts, reference_greedy, tiny_greedy, replay_admissions, tmp_path
+):
     """DSpark (k=3, adaptive verification) driven by the NPU runner as on CPU: the target's tokens."""
     result, log = _run(
         tiny_dspark_checkpoint, acceptance_prompts, tmp_path,
@@ -191,8 +216,9 @@ def test_simulated_npu_dspark_is_lossless(tiny_dspark_checkpoint, acceptance_pro
         speculative_config={"method": "dspark", "num_speculative_tokens": 3, "enable_adaptive_verification": True},
         mixed_sampling=True,
     )
-    assert result["batched"] == reference_greedy
-    assert result["again"] == reference_greedy[2]
+    batched, again = _replayed_reference(result, acceptance_prompts, tiny_greedy, replay_admissions)
+    assert result["batched"] == batched
+    assert result["again"] == again
     assert result["drafts"] > 0, "nothing was drafted"
     # Greedy and sampled requests verified in one batch (both rejection kernels, recovered
     # tokens, top-k/top-p, seeded and unseeded draws): the greedy one keeps its tokens.
@@ -228,14 +254,15 @@ def npu_server(tiny_checkpoint, tmp_path_factory):
 
 @pytest.mark.xdist_group("npu_server")
 def test_simulated_npu_server_prompt_logprobs_equal_the_reference(
-    npu_server, tiny_reference, acceptance_prompts, reference_greedy
+    npu_server, tiny_reference, acceptance_prompts, reference_greedy_full_prefill
 ):
     """The request that once killed this engine (dynamo in vLLM's compiled sampler op met a
     ``torch.Event`` that was not a type): greedy tokens and prompt logprobs as the reference's."""
     import torch
 
     url, log_path, launches = npu_server
-    for prompt, want in zip(acceptance_prompts, reference_greedy):
+    # Requests asking prompt logprobs compute every prompt row (no truncation, no prefix hit).
+    for prompt, want in zip(acceptance_prompts, reference_greedy_full_prefill):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                 "prompt_logprobs": 1, "return_token_ids": True}
         r = requests.post(f"{url}/v1/completions", json=body, timeout=600)
