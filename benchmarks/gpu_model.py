@@ -162,10 +162,29 @@ def fill_engram_rows(model: torch.nn.Module, seed: int = 0) -> None:
     model.engram_tables.set_vocab(old2new)
 
 
-def engram_main(args, device: torch.device, cases: list[tuple[int, int]]) -> None:
-    """Decode steps of the Engram model with its rows in device memory and in host memory."""
+def make_harness(model_dir, device, block, num_blocks, max_len, cases, prefill, **kwargs):
+    """The paged harness of one benchmark model: bf16, random weights (filled by the caller), room
+    for the largest decode batch of ``cases`` and a ``prefill``-token step; ``kwargs`` go to it."""
     from v41_harness import PagedHarness
 
+    batch = max(b for b, _ in cases)
+    return PagedHarness(
+        str(model_dir),
+        dtype="bfloat16",
+        device=str(device),
+        block_size=block,
+        num_blocks=num_blocks,
+        max_model_len=max_len,
+        load_weights=False,
+        ring_blocks=batch + 8,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(prefill, batch),
+        **kwargs,
+    )
+
+
+def engram_main(args, device: torch.device, cases: list[tuple[int, int]]) -> None:
+    """Decode steps of the Engram model with its rows in device memory and in host memory."""
     from deepinfer_vllm.tools.make_checkpoint import write_config
 
     block = 16
@@ -184,18 +203,8 @@ def engram_main(args, device: torch.device, cases: list[tuple[int, int]]) -> Non
     )
     times: dict[tuple[str, int, int], float] = {}
     for where in ("device", "host"):
-        harness = PagedHarness(
-            str(model_dir),
-            dtype="bfloat16",
-            device=str(device),
-            block_size=block,
-            num_blocks=need_blocks,
-            max_model_len=max_len,
-            load_weights=False,
-            ring_blocks=max(b for b, _ in cases) + 8,
-            max_num_seqs=max(b for b, _ in cases),
-            max_num_batched_tokens=max(b for b, _ in cases),
-            engram_config={"cpu_offload": where == "host"},
+        harness = make_harness(
+            model_dir, device, block, need_blocks, max_len, cases, 0, engram_config={"cpu_offload": where == "host"}
         )
         model, arch = harness.model, harness.model.arch
         assert model.engram_placement.host == (where == "host"), model.engram_placement.note
@@ -433,8 +442,6 @@ def main() -> None:
         device = torch.device("cpu" if args.dry_run else "cuda")
         engram_main(args, device, [(2, 256)] if args.dry_run else (QUICK if args.quick else DECODE))
         return
-    from v41_harness import PagedHarness
-
     from deepinfer_vllm.tools.make_checkpoint import write_config
 
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -450,18 +457,7 @@ def main() -> None:
     model_dir = write_config(
         tempfile.mkdtemp(prefix="gpu_model_"), config=layer_config("tiny" if args.dry_run else "flash")
     )
-    harness = PagedHarness(
-        str(model_dir),
-        dtype="bfloat16",
-        device=str(device),
-        block_size=block,
-        num_blocks=need_blocks,
-        max_model_len=max_len,
-        load_weights=False,
-        ring_blocks=max(b for b, _ in cases) + 8,
-        max_num_seqs=max(b for b, _ in cases),
-        max_num_batched_tokens=max(prefill, max(b for b, _ in cases)),
-    )
+    harness = make_harness(model_dir, device, block, need_blocks, max_len, cases, prefill)
     model, arch = harness.model, harness.model.arch
     fill_parameters(model)
     experts = model.layers[0].ffn.experts

@@ -302,16 +302,15 @@ def gluon_grouped_fp4_gemm(
     """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (rows 4-byte aligned),
     ``w`` uint8 [E, N, K/2], ``s`` uint8 [E, N, K/32] (the checked arguments of
     ``moe_gemm.grouped_fp4_gemm``)."""
-    from deepinfer_vllm.ops.triton.fp8_gemm import sm_count, splitk_reduce
+    from deepinfer_vllm.ops.triton.fp8_gemm import sm_count, split_k, splitk_reduce
 
     e_count, n, _ = w.shape
     r, k = x.shape
     sms = sm_count(x.device)
     cfg = dict(config) if config else gluon_config(r, e_count, n, k, sms)
     bt, ns = cfg["BT"], cfg.get("NS", 3)
-    k_tiles = k // BK
-    kt_per_split = triton.cdiv(k_tiles, cfg.get("SPLIT", 1))
-    split = triton.cdiv(k_tiles, kt_per_split)
+    _, split, k_per_split = split_k({"BK": BK, "SPLIT": cfg.get("SPLIT", 1)}, k)
+    kt_per_split = k_per_split // BK
     target = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
     n_tiles = n // BM
     row_tiles = min(r, triton.cdiv(r, bt) + e_count + 1)
