@@ -7,6 +7,8 @@ Rows:
     "vs baseline" column is the fraction of _scaled_mm's rate (goal: >= 0.80).
   * decode M = 1, 64, 256 on the same shapes: bytes = weight + scales + x + out; % copy.
   * a tile sweep (act=bf16) on (5120, 8192) at M = 8192 and M = 1 (``GEMM_SWEEP=0`` skips it).
+``--decode``: M = 1..64 only, the default (the Gluon kernel on sm90) beside the Triton kernel and Gluon variants
+on the same call, and a plain reader of the same weight bytes (the ceiling).
 The act="mxfp8" rows include the Triton activation quantiser (one extra launch).
 """
 
@@ -16,6 +18,8 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -129,6 +133,57 @@ def _sweep_rows() -> list[Row]:
     return rows
 
 
+@triton.jit
+def _read_words(w_ptr, out_ptr, n_words, BLOCK: tl.constexpr):
+    """XOR of ``BLOCK`` words of the weight: a plain reader of its bytes."""
+    c = tl.program_id(0)
+    i = c * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + c, tl.xor_sum(tl.load(w_ptr + i, mask=i < n_words, other=0), 0))
+
+
+def _read_launcher(w: torch.Tensor, s: torch.Tensor):
+    """The weight's and scales' bytes read once by 16 KB programs (their sum as one buffer)."""
+    words = torch.cat([w.view(torch.uint8).flatten(), s.view(torch.uint8).flatten()]).view(torch.int32)
+    block = 4096
+    grid = (triton.cdiv(words.numel(), block),)
+    out = torch.empty(grid[0], dtype=torch.int32, device=w.device)
+    return lambda: _read_words[grid](words, out, words.numel(), BLOCK=block, num_warps=4)
+
+
+DECODE_ONLY_M = (1, 8, 16, 32, 64)
+DECODE_ONLY_SHAPES = SHAPES + [(1024 * 8, 512)]  # + the grouped output projection's whole weight
+
+
+def run_decode(ceilings: Ceilings):
+    """Decode (M <= 64): the default (the Gluon kernel on sm90) beside the Triton kernel and Gluon variants on
+    the same call, and a plain reader of the same weight bytes. A generator: rows print as measured."""
+    from deepinfer_vllm.ops.triton.fp8_gemm_gluon import gluon_fp8_config
+
+    torch.manual_seed(0)
+    for n, k in DECODE_ONLY_SHAPES:
+        w, s = weight(n, k)
+        nbytes_w = n * k + n * k // 1024
+        for m in DECODE_ONLY_M:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            nbytes = nbytes_w + m * k * 2 + m * n * 2
+            base = gluon_fp8_config(m, n, k)
+            variants = [("default", None), ("triton", pick_config(m, n, k))]
+            variants += [("gluon async", dict(base, ASYNC=True)), ("gluon sync", dict(base, ASYNC=False))]
+            variants += [(f"gluon async NS={ns}", dict(base, NS=ns, ASYNC=True)) for ns in (2, 3, 4) if ns != base["NS"]]
+            variants += [(f"gluon async WG={3 - base['WG']}", dict(base, WG=3 - base["WG"], NS=3, ASYNC=True))]
+            for label, cfg in variants:
+                t = time_s(lambda cfg=cfg: fp8_block_gemm(x, w, s, "bf16", config=cfg))  # noqa: B023
+                yield Row(
+                    kernel=f"fp8_block_gemm {label}",
+                    shape=f"M={m} N={n} K={k}" + (f" ({_cfg_name(cfg)})" if cfg else f" ({_cfg_name(base)})"),
+                    seconds=t,
+                    bytes=nbytes,
+                    flops=2 * m * n * k,
+                )
+        t = time_s(_read_launcher(w, s))
+        yield Row(kernel="read weight", shape=f"N={n} K={k}", seconds=t, bytes=nbytes_w)
+
+
 def run(ceilings: Ceilings) -> list[Row]:
     torch.manual_seed(0)
     rows = _large_rows() + _decode_rows()
@@ -138,4 +193,4 @@ def run(ceilings: Ceilings) -> list[Row]:
 
 
 if __name__ == "__main__":
-    print_module(run)
+    print_module(run_decode if "--decode" in sys.argv[1:] else run)

@@ -98,6 +98,10 @@ class V41Fp8LinearMethod(_HeldWeights, LinearMethodBase):
             "scale": torch.empty(rows // TILE, cols // TILE, dtype=ue8m0_dtype()),
         }
 
+    def process_weights_after_loading(self, layer) -> None:
+        """Refuse, by name, scale bytes the chosen GEMM kernel cannot decode exactly."""
+        self.gemm.check_scales(layer.scale, f"{layer.prefix}.scale")
+
     def apply(self, layer, x: torch.Tensor, bias=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.gemm(x, layer.weight, layer.scale, out_dtype)
 

@@ -198,6 +198,20 @@ class ActivationsGemm(KernelOp):
         super().__init__(device, dtype)
         self.act = envs.gemm_activations()
 
+    def check_scales(self, scale: torch.Tensor, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` when its UE8M0 scale bytes exceed what the chosen kernels
+        decode exactly (their module's ``MAX_SCALE_BYTE``; the reference takes any); called once per
+        tensor after loading."""
+        limit = getattr(self.kernels, "MAX_SCALE_BYTE", None)
+        if limit is None or scale.numel() == 0:
+            return
+        top = int(scale.view(torch.uint8).max())
+        if top > limit:
+            raise ValueError(
+                f"{name}: UE8M0 scale 2^{top - 127} exceeds 2^{limit - 127}, the largest the GPU kernel "
+                f"decodes exactly ({self.kernels.__name__}); run this checkpoint with DEEPINFER_GEMM_KERNELS=torch"
+            )
+
 
 class Fp8BlockGemm(ActivationsGemm):
     """``gemm_fp8(x, weight, scale, out_dtype)``: the reference or the Triton kernel."""

@@ -7,6 +7,9 @@
   ``2e-6 * K * (|x_used| @ |W|.T)``; bf16 outputs within one bf16 ulp of the fp32 reference
   (plus that bound). Split-K and every tile configuration the wrapper picks; bitwise
   run-to-run determinism; CUDA-graph capture and replay equal to eager bit for bit.
+* The Gluon decode kernel (``fp8_gemm_gluon``, M <= 64 on sm90, forced by configs with ``BT``): every batch
+  tile, ring depth and split, every e4m3 byte and scale byte it takes (the refusal of larger scale bytes
+  at load: ``tests/ops/test_quant_gemm.py``).
 """
 
 from __future__ import annotations
@@ -141,6 +144,60 @@ def test_fp8_gemm_grouped_refuses_bad_shapes(device):
         fp8_block_gemm(x, w, s, groups=3)  # x has 2 groups' columns
 
 
+GLUON_CONFIGS = [
+    dict(BT=8, NS=4, SPLIT=1),
+    dict(BT=16, NS=3, SPLIT=2),
+    dict(BT=32, NS=4, SPLIT=4),
+    dict(BT=64, NS=2, SPLIT=1),
+    dict(BT=16, NS=4, SPLIT=3, MAXNREG=96),
+    dict(BT=8, WG=2, NS=4, SPLIT=2),
+    dict(BT=64, WG=2, NS=3, SPLIT=3),
+    dict(BT=32, WG=2, NS=2, SPLIT=1),
+    dict(BT=8, NS=4, SPLIT=2, ASYNC=True),
+    dict(BT=64, WG=2, NS=3, SPLIT=2, ASYNC=True),
+    dict(BT=16, WG=1, NS=2, SPLIT=1, ASYNC=True),
+]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", range(len(GLUON_CONFIGS)))
+@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (5, 128, 384), (16, 1536, 5120), (33, 4608, 5120), (64, 5120, 8192)])
+def test_gluon_fp8_gemm_matches_reference(device, act, out_dtype, cfg, m, n, k):
+    """The decode kernel of ``fp8_gemm_gluon`` (forced by a config with ``BT``) on every batch tile, one and two
+    warpgroups, ring depths and K splits, rows past M masked."""
+    w, s = make_weight(n, k, seed=n + k, device=device)
+    x = make_x(m, k, seed=m + cfg, device=device)
+    got = fp8_block_gemm(x, w, s, act, out_dtype, config=GLUON_CONFIGS[cfg])
+    ref = quant_gemm.fp8_block_gemm(x, w, s, act, torch.float32)
+    assert got.shape == (m, n) and got.dtype == out_dtype
+    check(got, ref, quant_gemm.activations(x, act), quant.dequant_fp8_block(w, s))
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize("m", [1, 64])
+def test_gluon_fp8_gemm_every_byte(device, m):
+    """Every e4m3 byte but the NaNs and every scale byte 0 .. MAX_SCALE_BYTE (one per 32x32 tile) through the
+    decode kernel, against the reference."""
+    from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE
+
+    n, k = 1152, 1024  # 36 x 32 = 1152 scale tiles >= 135 scale bytes
+    g = torch.Generator().manual_seed(11)
+    wb = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    wb[:2] = torch.arange(256, dtype=torch.uint8).repeat(2, k // 256)
+    wb[(wb & 0x7F) == 0x7F] = 0x3C  # no NaN
+    sb = (torch.arange(n // 32 * (k // 32)) % (MAX_SCALE_BYTE + 1)).to(torch.uint8).view(n // 32, k // 32)
+    w = wb.view(torch.float8_e4m3fn).to(device)
+    s = sb.view(torch.float8_e8m0fnu).to(device)
+    x = make_x(m, k, seed=12, device=device)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        cfg = dict(BT=8, SPLIT=2) if m == 1 else dict(BT=64, WG=2, NS=3, SPLIT=2)
+        got = fp8_block_gemm(x, w, s, "bf16", out_dtype, config=cfg)
+        ref = quant_gemm.fp8_block_gemm(x, w, s, "bf16", torch.float32)
+        check(got, ref, x, quant.dequant_fp8_block(w, s))
+
+
 @pytest.mark.parametrize("act", ACTS)
 def test_fp8_gemm_deterministic(device, act):
     m, n, k = (9, 64, 256) if INTERPRET else (48, 5120, 8192)
@@ -153,7 +210,7 @@ def test_fp8_gemm_deterministic(device, act):
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("act", ["bf16", "mxfp8"])
-@pytest.mark.parametrize("m", [4, 512])
+@pytest.mark.parametrize("m", [4, 64, 512])
 def test_fp8_gemm_cuda_graph(device, act, m):
     n, k = 1536, 5120
     w, s = make_weight(n, k, seed=5, device=device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_vllm.ops.quant import e2m1_decode
-from deepinfer_vllm.ops.triton import e2m1, moe_gemm, moe_gemm_gluon
+from deepinfer_vllm.ops.triton import e2m1, fp8_gemm_gluon, moe_gemm, moe_gemm_gluon
 from tests.ops.ptx_subset import run_ptx
 
 
@@ -103,3 +103,21 @@ def test_expert_pair_ptx():
             code = ((x >> (4 * j)) & 0xF).to(torch.uint8)  # output j: byte j // 2, nibble j % 2
             want = (e2m1_decode(code).double() * 2.0 ** (s - 127)).to(torch.bfloat16)
             assert torch.equal((out & 0xFFFF).to(torch.int16), want.view(torch.int16)), (s, j)
+
+
+def test_dense_e4m3_ptx():
+    """The Gluon dense FP8 GEMM's decode (``fp8_gemm_gluon.E4M3_PTX``): one word of e4m3 bytes b0..b3 and the
+    bf16x2 multiplier 2^(s - 7) -> four bf16 values, each byte's value times 2^(s - 127), bit for bit, for every
+    pattern of bytes 0-1 and of bytes 2-3 and a spread of scale bytes up to ``MAX_SCALE_BYTE`` (134)."""
+    pat = torch.arange(1 << 16, dtype=torch.int64)
+    x = torch.cat([pat, pat << 16, pat * 0x10001])
+    assert fp8_gemm_gluon.MAX_SCALE_BYTE == 134
+    for s in [0, 1, 3, 10, 64, 100, 120, 126, 127, 128, 131, 134]:
+        outs = run_ptx(fp8_gemm_gluon.E4M3_PTX, 4, [x, torch.tensor(s * 0x00800080 + 0x3C003C00)])
+        for j, out in enumerate(outs):
+            byte = ((x >> (8 * j)) & 0xFF).to(torch.uint8)
+            value = byte.view(torch.float8_e4m3fn).double()
+            finite = value.isfinite()  # 0x7F / 0xFF are NaN in e4m3fn; a checkpoint holds none
+            want = (value * 2.0 ** (s - 127)).to(torch.bfloat16).view(torch.int16)
+            got = (out & 0xFFFF).to(torch.int16)
+            assert torch.equal(got[finite], want[finite]), (s, j)

@@ -113,3 +113,21 @@ def test_grouped_fp4_gemm_rejects_bad_offsets():
         grouped_fp4_gemm(x, torch.tensor([0, 3, 5]), v, s)
     with pytest.raises(ValueError):
         activations(x, "fp4")
+
+
+def test_fp8_gemm_refuses_scales_its_kernel_cannot_decode():
+    """Scale bytes above the Gluon kernel's ``MAX_SCALE_BYTE`` are refused when a layer is loaded, by name;
+    the reference takes any."""
+    import importlib
+
+    from deepinfer_vllm.ops.weight_gemm import Fp8BlockGemm
+
+    op = Fp8BlockGemm("cpu", torch.bfloat16)
+    big = torch.full((2, 2), 200, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    op.check_scales(big, "layers.0.attn.wq_a.scale")
+    op.kernels = importlib.import_module("deepinfer_vllm.ops.triton.fp8_gemm")  # as on a CUDA device
+    ok = torch.full((2, 2), op.kernels.MAX_SCALE_BYTE, dtype=torch.uint8)
+    op.check_scales(ok.view(torch.float8_e8m0fnu), "layers.0.attn.wq_a.scale")
+    ok[0, 1] += 1
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq_a\.scale: UE8M0 scale 2\^8 exceeds 2\^7"):
+        op.check_scales(ok.view(torch.float8_e8m0fnu), "layers.0.attn.wq_a.scale")

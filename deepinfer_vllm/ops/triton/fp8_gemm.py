@@ -8,6 +8,8 @@ operand and a small batch (``BM`` 16-64) is the narrow N side of the MMA.
 The weight tile is decoded to bf16 in registers (``e4m3 * 2^s`` is exactly a bf16 number);
 x is taken as given (bf16) or, for act="mxfp8", as its MXFP8 round trip written as bf16 by
 ``mxfp8_qdq`` (exact) before the GEMM; one bf16 ``tl.dot`` per K tile.
+Decode-sized calls (M <= 64) on sm90 go to the Gluon kernel of ``fp8_gemm_gluon`` (weights decoded straight
+into the wgmma A fragment; exact for scale bytes up to ``MAX_SCALE_BYTE``, checked when a checkpoint is loaded).
 Small M splits K over programs (``SPLIT``); the partial sums go to an fp32 workspace and a
 second kernel adds them in a fixed order: deterministic, no atomics. Output rounding to
 bf16 is done on the bits (round to nearest even), identical on GPU and interpreter.
@@ -23,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE, gluon_fp8_block_gemm, gluon_fp8_supported
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq
 
-__all__ = ["ACT_MODES", "fp8_block_gemm", "pick_config"]
+__all__ = ["ACT_MODES", "MAX_SCALE_BYTE", "fp8_block_gemm", "pick_config"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_MODES = ("bf16", "mxfp8")
@@ -295,6 +298,10 @@ def fp8_block_gemm(
         return out
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
+    if config is not None and "BT" in config or (
+        config is None and out_dtype in (torch.float32, torch.bfloat16) and gluon_fp8_supported(xv, w, s, groups)
+    ):
+        return gluon_fp8_block_gemm(xv, w, s, out, groups=groups, config=config)
     cfg, split, k_per_split = split_k(
         dict(config) if config else pick_config(m, n, k, sms=sm_count(x.device)), k
     )

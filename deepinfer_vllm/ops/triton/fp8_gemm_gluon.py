@@ -1,0 +1,319 @@
+"""Dense FP8 block-scaled GEMM for decode on Hopper, in Gluon: weights decoded into the wgmma A fragment.
+
+Same arguments and numbers as ``fp8_gemm.fp8_block_gemm`` (and its reference ``ops.quant_gemm.fp8_block_gemm``):
+``x [M, groups * K] @ W.T`` for ``W [N, K]`` e4m3 with one UE8M0 scale per 32x32 tile, fp32 accumulation, one
+rounding, the same split-K reduction (fixed order, no atomics, no host synchronisation).
+
+The design is the expert GEMM's (``moe_gemm_gluon``), for one byte per value: the weights are the wgmma's A operand
+(64 weight rows per warpgroup instruction, the batch's few rows on its narrow N side) and each thread decodes exactly
+the values of its own A fragment, so no decoded value goes through shared memory:
+
+* K is reordered inside every 128-column tile, for the weights and ``x`` alike (a sum does not care): lane
+  ``q = lane % 4`` owns the tile's bytes ``32q .. 32q + 31`` of each of its two rows (rows ``r`` and ``r + 8`` of
+  its warp's 16), which are exactly one 32x32 scale block, so a lane needs one scale byte per K tile. Byte
+  ``b = 4s + 2h + j`` of that run is logical column ``16s + 8h + 2q + j``: the column the A fragment gives the lane
+  in k-step ``s``. ``x``'s logical column pair ``P = 8s + 4h + q`` is therefore read from physical pair
+  ``16q + 2s + h`` when it is staged (the expert kernel's map, which has the same 128-column tile).
+* A lane's 32 bytes per row arrive by two 16-byte ``cp.async`` into a shared-memory ring that only that lane reads
+  back (no barrier for the weights; the ring's 16-byte chunks are XOR-swizzled by row so a warp's reads do not
+  collide in banks).
+* ``E4M3_PTX`` turns each 32-bit word (4 values) into two bf16x2 registers: ``prmt`` puts bytes 0, 1 (then 2, 3) in
+  the high bytes of the two halves, a shift by 4 and two masks move ``eeee mmm`` to bf16 bits 10..4 and keep the
+  sign at bit 15, which is the value times 2^-120 exactly (e = 0 gives a bf16 subnormal); one bf16x2 multiply by
+  ``2^(s - 7)`` applies the block's scale (exact for scale bytes ``<= MAX_SCALE_BYTE``, where 2^(s - 7) is still a
+  bf16 number). 5 instructions per two values. The registers already are the A fragment: Gluon checks at compile
+  time that the layout conversion is trivial.
+* ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) go through NVMMA-swizzled shared memory; one barrier
+  per tile hands them to the wgmma. Scale words are read one tile ahead into registers.
+* Above 16 batch rows two warpgroups (128 weight rows) share each ``x`` tile, which otherwise costs as many
+  shared-memory bytes as the weights; with one warpgroup the wgmma is issued asynchronously and the next tile's
+  decode runs under it (``ASYNC``; with two, the extra barrier this needs costs more than it hides).
+
+Only for K (per group) a multiple of 128, N (per group) a multiple of 64, up to 64 rows (decode); larger batches
+stay on the Triton kernel. sm90 only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE
+
+if GLUON_AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+__all__ = ["E4M3_PTX", "MAX_SCALE_BYTE", "gluon_fp8_block_gemm", "gluon_fp8_config", "gluon_fp8_supported"]
+
+# 2^(s - 7) must be a normal bf16 number: s - 7 + 127 <= 254.
+MAX_SCALE_BYTE = 134
+
+
+def _e4m3_pair_ptx(sel: int, o: int) -> str:
+    """Bytes ``sel`` picks of ``$4`` -> ``($2o, $2o+1)`` as bf16 values times 2^-120, then scaled by ``$5``."""
+    return f"""prmt.b32 d, $4, 0, 0x{sel:04X};
+shr.b32 t, d, 4;
+and.b32 t, t, 0x07F007F0;
+and.b32 d, d, 0x80008000;
+or.b32 t, t, d;
+mul.rn.bf16x2 t, t, $5;
+mov.b32 {{${2 * o}, ${2 * o + 1}}}, t;
+"""
+
+
+# $4: one 32-bit word, e4m3 bytes b0..b3; $5: the bf16x2 multiplier 2^(s - 7) in both halves. Out: $0..$3 bf16 =
+# b0..b3, each value * 2^(s - 127). ``prmt`` selector 0x1404 gives (0, b0, 0, b1) low byte first; 0x3424 (0, b2,
+# 0, b3). 10 instructions for 4 values (12 with the two moves, which the register allocator removes).
+E4M3_PTX = "{\n.reg .b32 d, t;\n" + _e4m3_pair_ptx(0x1404, 0) + _e4m3_pair_ptx(0x3424, 1) + "}"
+
+BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
+BK = 128  # K per tile: 32 bytes = one scale block per lane and row
+
+
+def gluon_fp8_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int) -> bool:
+    """sm90 with Gluon, decode-sized M, N / groups a multiple of 64, K of 128, 16-byte aligned weight rows and
+    4-byte aligned scale rows."""
+    if not (GLUON_AVAILABLE and x.is_cuda) or x.shape[0] > 64:
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    n, k = weight.shape
+    return (
+        (n // groups) % BM == 0
+        and k % BK == 0
+        and weight.stride(0) % 16 == 0
+        and weight.data_ptr() % 16 == 0
+        and scale.stride(0) % 4 == 0
+        and scale.data_ptr() % 4 == 0
+        and x.stride(0) % 2 == 0
+        and x.data_ptr() % 4 == 0
+    )
+
+
+if GLUON_AVAILABLE:
+    _BK = gl.constexpr(BK)
+
+    def _word_layout(wg: int):
+        """Words ``[64 wg, 32]``: lane q = lane % 4 holds words 8q..8q+7 (registers s) of rows 16 warp + lane // 4
+        and + 8, the rows and K columns of its wgmma A fragment; warps 4..7 take rows 64..127."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+            lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]] + ([[64, 0]] if wg == 2 else []),
+            block_bases=[],
+            shape=[64 * wg, 32],
+        )
+    _PTX = gl.constexpr(E4M3_PTX)
+
+    @gluon.jit
+    def _decode_tile(words, f, BW: gl.constexpr, DOT_A: gl.constexpr):
+        """``words [BW, 32]`` int32 (lane q's eight words per row are its 32 bytes) and the per-word bf16x2
+        multiplier ``f`` -> the ``[BW, 128]`` bf16 A fragment in the reordered K."""
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _PTX, "=h,=h,=h,=h,r,r", [words, f], dtype=(gl.bfloat16,) * 4, is_pure=True, pack=1
+        )
+        v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [BW, 32 (w = 8q + s), 2 (j), 2 (h)]
+        v = gl.reshape(v, [BW, 4, 8, 2, 2])  # [row, q, s, j, h]
+        v = gl.permute(v, (0, 2, 4, 1, 3))  # [row, s, h, q, j]: column 16s + 8h + 2q + j
+        v = gl.reshape(v, [BW, 128])
+        return gl.convert_layout(v, DOT_A, assert_trivial=True)
+
+    @gluon.jit
+    def _issue_tile(w_s, x_s, stage, w_row_ptr, x_pair_ptr, x_mask, kt):
+        """cp.async of K tile ``kt`` (this CTA's numbering) into ring stage ``stage``."""
+        async_copy.async_copy_global_to_shared(w_s.index(stage), w_row_ptr + kt * (_BK // 4))
+        async_copy.async_copy_global_to_shared(x_s.index(stage), x_pair_ptr + kt * (_BK // 2), mask=x_mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _fp8_gemm_gluon_kernel(
+        x_ptr,  # int32 view of bf16 x [M, groups * K]: column pairs
+        w_ptr,  # int32 view of e4m3 weights [N, K / 4 words]
+        ws_ptr,  # int32 view of scales [N / 32, K / 128 words]
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_xm,  # in int32 words
+        stride_wn,  # in int32 words
+        stride_wsn,  # in int32 words
+        stride_om,
+        kt_per_split,  # K tiles per split
+        group_n,  # output columns per group (N when not grouped)
+        WL: gl.constexpr,  # the weight words' register layout (``_word_layout``)
+        WG: gl.constexpr,  # warpgroups, each 64 weight rows sharing the x tile
+        BT: gl.constexpr,  # batch rows per tile (wgmma N)
+        NS: gl.constexpr,  # ring stages
+        SPLIT: gl.constexpr,
+        OUT_BF16: gl.constexpr,
+        ASYNC: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        BW: gl.constexpr = 64 * WG
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4 * WG, 1], instr_shape=[16, BT, 16]
+        )
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        XL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16] if BT >= 16 else [1, 32], [4 * WG, 1], [1, 0])
+        # 16-byte chunks XOR-swizzled by row: a warp's 128-bit reads of eight rows hit distinct banks.
+        WS: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        XS32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+
+        w_s = gl.allocate_shared_memory(gl.int32, [NS, BW, 32], WS)
+        x_s = gl.allocate_shared_memory(gl.int32, [NS, BT, 64], XS32)
+
+        n0 = pid_n * BW
+        group = n0 // group_n
+        m0 = pid_m * BT
+        kt_lo = pid_k * kt_per_split
+        n_kt = gl.minimum(kt_per_split, K // _BK - kt_lo)
+
+        w_r = gl.arange(0, BW, layout=gl.SliceLayout(1, WL))
+        w_c = gl.arange(0, 32, layout=gl.SliceLayout(0, WL))
+        x_r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
+        x_c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+        # logical pair P = 8s + 4h + q sits at physical pair 16q + 2s + h of the tile
+        x_phys = 16 * (x_c % 4) + 2 * (x_c // 8) + (x_c // 4) % 2
+        shift = 8 * (w_c // 8)  # lane q's scale byte in the block row's tile word
+        a_r = gl.arange(0, BW, layout=gl.SliceLayout(1, ACC))
+        a_c = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
+
+        w_row_ptr = w_ptr + (n0 + w_r).to(gl.int64)[:, None] * stride_wn + (kt_lo * (_BK // 4) + w_c)[None, :]
+        tok = m0 + x_r
+        x_mask = (tok < M)[:, None] & (x_c < 64)[None, :]
+        x_pair_ptr = (
+            x_ptr
+            + tok.to(gl.int64)[:, None] * stride_xm
+            + (group * (K // 2) + kt_lo * (_BK // 2) + x_phys)[None, :]
+        )
+        s_row_ptr = ws_ptr + ((n0 + w_r) // 32).to(gl.int64) * stride_wsn + kt_lo
+
+        for i in gl.static_range(NS - 1):
+            if i < n_kt:
+                _issue_tile(w_s, x_s, i, w_row_ptr, x_pair_ptr, x_mask, i)
+            else:
+                async_copy.commit_group()
+        acc = gl.zeros([BW, BT], gl.float32, ACC)
+        a_prev = gl.zeros([BW, 128], gl.bfloat16, DOT_A)
+        sw_next = gl.load(s_row_ptr)
+        for kt in range(n_kt):
+            stage = kt % NS
+            async_copy.wait_group(NS - 2)
+            fence_async_shared()
+            gl.thread_barrier()
+            nxt = kt + NS - 1
+            if not ASYNC:
+                if nxt < n_kt:
+                    _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
+                else:
+                    async_copy.commit_group()
+            sw = sw_next
+            sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
+            words = w_s.index(stage).load(WL)
+            sb = (sw[:, None] >> shift[None, :]) & 0xFF
+            f = sb * 0x00800080 + 0x3C003C00
+            a = _decode_tile(words, f, BW, DOT_A)
+            xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
+            if ASYNC:
+                # the previous tile's MMA (which read stage nxt % NS) is done in both warpgroups
+                acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+                gl.thread_barrier()
+                if nxt < n_kt:
+                    _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
+                else:
+                    async_copy.commit_group()
+                acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
+                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])  # in flight while the next tile decodes
+            else:
+                acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+        if ASYNC:
+            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+        async_copy.wait_group(0)
+        # epilogue: acc[n, row]
+        omask = (m0 + a_c < M)[None, :] & (a_r < BW)[:, None]
+        if SPLIT > 1:
+            optr = out_ptr + pid_k.to(gl.int64) * M * N + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None]
+            gl.store(optr, acc, mask=omask)
+        else:
+            optr = out_ptr + (m0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
+            if OUT_BF16:
+                gl.store(optr, acc.to(gl.bfloat16), mask=omask)
+            else:
+                gl.store(optr, acc, mask=omask)
+
+
+def gluon_fp8_config(m: int, n: int, k: int, sms: int = 132, groups: int = 1) -> dict:
+    """Batch tile (the wgmma's N: 8, 16, 32 or 64) from M; two warpgroups (128 weight rows sharing one ``x``
+    tile) above 16 rows, where staging ``x`` would otherwise cost as much as the weights; K split while fewer
+    than two programs per SM would have work (at most 8 splits, at least two K tiles each)."""
+    bt = 8 if m <= 8 else 16 if m <= 16 else (32 if m <= 32 else 64)
+    wg = 2 if m > 16 and (n // groups) % 128 == 0 else 1
+    # One warpgroup overlaps a tile's decode with the previous tile's MMA (async wgmma: +5-10% at 1-16 rows);
+    # with two the extra barrier costs more than it hides (measured, benchmarks/README.md).
+    cfg = {"BT": bt, "WG": wg, "NS": 3 if bt * wg >= 128 else 4, "ASYNC": wg == 1}
+    tiles = triton.cdiv(m, bt) * (n // (64 * wg))
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= min(8, (k // BK) // 2):
+        split *= 2
+    cfg["SPLIT"] = split
+    return cfg
+
+
+def gluon_fp8_block_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    groups: int = 1,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``out [M, N]`` (fp32 or bf16) of the block GEMM; ``x`` bf16 [M, groups * K] (the activations
+    ``fp8_gemm.gemm_activations`` gives), ``w`` uint8 [N, K], ``s`` uint8 [N/32, K/32] (the checked arguments of
+    ``fp8_gemm.fp8_block_gemm``)."""
+    from deepinfer_vllm.ops.triton.fp8_gemm import sm_count, split_k, splitk_reduce
+
+    n, k = w.shape
+    m = x.shape[0]
+    cfg = dict(config) if config else gluon_fp8_config(m, n, k, sm_count(x.device), groups)
+    bt, ns, wg = cfg["BT"], cfg.get("NS", 4), cfg.get("WG", 1)
+    if (n // groups) % (64 * wg):
+        raise ValueError(f"WG={wg} needs N / groups = {n // groups} to be a multiple of {64 * wg}")
+    _, split, k_per_split = split_k({"BK": BK, "SPLIT": cfg.get("SPLIT", 1)}, k)
+    target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    xi = x.view(torch.int32)
+    wi = w.view(torch.int32)
+    si = s.view(torch.int32)
+    _fp8_gemm_gluon_kernel[(n // (64 * wg), triton.cdiv(m, bt), split)](
+        xi,
+        wi,
+        si,
+        target,
+        m,
+        n,
+        k,
+        xi.stride(0),
+        wi.stride(0),
+        si.stride(0),
+        out.stride(0),
+        k_per_split // BK,
+        n // groups,
+        WL=_word_layout(wg),
+        WG=wg,
+        BT=bt,
+        NS=ns,
+        SPLIT=split,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        ASYNC=cfg.get("ASYNC", False),
+        num_warps=4 * wg,
+        maxnreg=cfg.get("MAXNREG"),
+    )
+    if split > 1:
+        splitk_reduce(target, out)
+    return out
