@@ -18,7 +18,6 @@ No host synchronisation: capturable in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -27,12 +26,13 @@ import triton.language as tl
 
 from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE, gluon_fp8_block_gemm, gluon_fp8_supported
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq
+from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, splitk_reduce, store_out
 
 __all__ = ["ACT_MODES", "MAX_SCALE_BYTE", "fp8_block_gemm", "pick_config"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_MODES = ("bf16", "mxfp8")
-_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_OUT_KIND = OUT_KINDS
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -62,18 +62,6 @@ def mma_bf16(a, b, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def store_out(ptr, v, mask, OUT_KIND: tl.constexpr):
-    """Store fp32 ``v`` as fp32 (0), bf16 bits rounded to nearest even (1) or fp16 (2)."""
-    if OUT_KIND == 1:
-        bits = v.to(tl.int32, bitcast=True)
-        tl.store(ptr, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16), mask=mask)
-    elif OUT_KIND == 2:
-        tl.store(ptr, v.to(tl.float16), mask=mask)
-    else:
-        tl.store(ptr, v, mask=mask)
-
-
-@triton.jit
 def scale_blocks(w, sw, BN: tl.constexpr, BK: tl.constexpr):
     """Weight tile ``w [BN, BK]`` (fp32) times its per-32-column scales ``sw [BN, BK // 32]``, as bf16."""
     return tl.reshape(tl.reshape(w, [BN, BK // 32, 32]) * sw[:, :, None], [BN, BK]).to(tl.bfloat16)
@@ -92,62 +80,6 @@ def store_tile(
         tl.store(ptr, acc, mask=omask)
     else:
         store_out(out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc, omask, OUT_KIND)
-
-
-@triton.jit
-def _splitk_reduce_kernel(
-    part_ptr,
-    out_ptr,
-    limit_ptr,
-    M,
-    N,
-    stride_om,
-    SPLIT: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,  # rows >= *limit_ptr are written as zeros (grouped GEMM)
-    BLOCK: tl.constexpr,
-    OUT_KIND: tl.constexpr,
-):
-    """``out[m, n] = sum_s part[s, m, n]``, s in order 0..SPLIT-1 (deterministic)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    total = M * N
-    mask = i < total
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
-    row = i // N
-    if HAS_LIMIT:
-        acc = tl.where(row < tl.load(limit_ptr).to(tl.int64), acc, 0.0)
-    store_out(out_ptr + row * stride_om + (i - row * N), acc, mask, OUT_KIND)
-
-
-def splitk_reduce(part: torch.Tensor, out: torch.Tensor, limit: torch.Tensor | None = None) -> None:
-    split, m, n = part.shape
-    block = 1024
-    kind = _OUT_KIND[out.dtype]
-    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-        part,
-        out.view(torch.int16) if kind == 1 else out,
-        limit if limit is not None else part,
-        m,
-        n,
-        out.stride(0),
-        SPLIT=split,
-        HAS_LIMIT=limit is not None,
-        BLOCK=block,
-        OUT_KIND=kind,
-        num_warps=4,
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pick_config(m_rows: int, n: int, k: int, active_tiles: int | None = None, sms: int = 132) -> dict:
@@ -251,14 +183,6 @@ def gemm_activations(x: torch.Tensor, act: str) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise TypeError(f"act='bf16' takes bf16 x, got {x.dtype}")
     return x if x.stride(1) == 1 else x.contiguous()
-
-
-def split_k(cfg: dict, k: int) -> tuple[dict, int, int]:
-    """A launch config without its ``SPLIT`` entry, the number of K splits it gives and the
-    K columns per split (whole ``BK`` tiles; fewer splits than asked when K is short)."""
-    split = cfg.pop("SPLIT", 1)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg["BK"]), split) * cfg["BK"]
-    return cfg, triton.cdiv(k, k_per_split), k_per_split
 
 
 def fp8_block_gemm(

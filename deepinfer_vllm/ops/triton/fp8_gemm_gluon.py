@@ -26,8 +26,8 @@ the values of its own A fragment, so no decoded value goes through shared memory
 * ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) go through NVMMA-swizzled shared memory; one barrier
   per tile hands them to the wgmma. Scale words are read one tile ahead into registers.
 * Above 16 batch rows two warpgroups (128 weight rows) share each ``x`` tile, which otherwise costs as many
-  shared-memory bytes as the weights; with one warpgroup the wgmma is issued asynchronously and the next tile's
-  decode runs under it (``ASYNC``; with two, the extra barrier this needs costs more than it hides).
+  shared-memory bytes as the weights; up to 32 rows the wgmma is issued asynchronously and the next tile's decode
+  runs under it (``ASYNC``; at 64 rows the extra barrier this needs costs more than it hides).
 
 Only for K (per group) a multiple of 128, N (per group) a multiple of 64, up to 64 rows (decode); larger batches
 stay on the Triton kernel. sm90 only.
@@ -39,6 +39,7 @@ import torch
 import triton
 
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE
+from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
 
 if GLUON_AVAILABLE:
     from triton.experimental import gluon
@@ -254,9 +255,9 @@ def gluon_fp8_config(m: int, n: int, k: int, sms: int = 132, groups: int = 1) ->
     than two programs per SM would have work (at most 8 splits, at least two K tiles each)."""
     bt = 8 if m <= 8 else 16 if m <= 16 else (32 if m <= 32 else 64)
     wg = 2 if m > 16 and (n // groups) % 128 == 0 else 1
-    # One warpgroup overlaps a tile's decode with the previous tile's MMA (async wgmma: +5-10% at 1-16 rows);
-    # with two the extra barrier costs more than it hides (measured, benchmarks/README.md).
-    cfg = {"BT": bt, "WG": wg, "NS": 3 if bt * wg >= 128 else 4, "ASYNC": wg == 1}
+    # Up to 32 rows a tile's decode overlaps the previous tile's MMA (async wgmma: 3-10% faster); at 64 rows with
+    # two warpgroups the extra barrier this needs costs more than it hides (measured, benchmarks/README.md).
+    cfg = {"BT": bt, "WG": wg, "NS": 3 if bt * wg >= 128 else 4, "ASYNC": bt < 64}
     tiles = triton.cdiv(m, bt) * (n // (64 * wg))
     split = 1
     while tiles * split < 2 * sms and split * 2 <= min(8, (k // BK) // 2):
@@ -277,8 +278,6 @@ def gluon_fp8_block_gemm(
     """``out [M, N]`` (fp32 or bf16) of the block GEMM; ``x`` bf16 [M, groups * K] (the activations
     ``fp8_gemm.gemm_activations`` gives), ``w`` uint8 [N, K], ``s`` uint8 [N/32, K/32] (the checked arguments of
     ``fp8_gemm.fp8_block_gemm``)."""
-    from deepinfer_vllm.ops.triton.fp8_gemm import sm_count, split_k, splitk_reduce
-
     n, k = w.shape
     m = x.shape[0]
     cfg = dict(config) if config else gluon_fp8_config(m, n, k, sm_count(x.device), groups)

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
+
 try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -302,8 +304,6 @@ def gluon_grouped_fp4_gemm(
     """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (rows 4-byte aligned),
     ``w`` uint8 [E, N, K/2], ``s`` uint8 [E, N, K/32] (the checked arguments of
     ``moe_gemm.grouped_fp4_gemm``)."""
-    from deepinfer_vllm.ops.triton.fp8_gemm import sm_count, split_k, splitk_reduce
-
     e_count, n, _ = w.shape
     r, k = x.shape
     sms = sm_count(x.device)

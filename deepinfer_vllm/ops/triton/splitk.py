@@ -1,0 +1,91 @@
+"""Pieces the weight GEMM kernels share: the output store (fp32, bf16 rounded on the bits, fp16), the fixed-order
+split-K reduction, the split of K into whole tiles and the SM count. Imports no other kernel module (the Triton and
+Gluon GEMMs all import this one)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["OUT_KINDS", "sm_count", "split_k", "splitk_reduce", "store_out"]
+
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def store_out(ptr, v, mask, OUT_KIND: tl.constexpr):
+    """Store fp32 ``v`` as fp32 (0), bf16 bits rounded to nearest even (1) or fp16 (2)."""
+    if OUT_KIND == 1:
+        bits = v.to(tl.int32, bitcast=True)
+        tl.store(ptr, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16), mask=mask)
+    elif OUT_KIND == 2:
+        tl.store(ptr, v.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr,
+    out_ptr,
+    limit_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,  # rows >= *limit_ptr are written as zeros (grouped GEMM)
+    BLOCK: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+):
+    """``out[m, n] = sum_s part[s, m, n]``, s in order 0..SPLIT-1 (deterministic)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    total = M * N
+    mask = i < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
+    row = i // N
+    if HAS_LIMIT:
+        acc = tl.where(row < tl.load(limit_ptr).to(tl.int64), acc, 0.0)
+    store_out(out_ptr + row * stride_om + (i - row * N), acc, mask, OUT_KIND)
+
+
+def splitk_reduce(part: torch.Tensor, out: torch.Tensor, limit: torch.Tensor | None = None) -> None:
+    split, m, n = part.shape
+    block = 1024
+    kind = OUT_KINDS[out.dtype]
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part,
+        out.view(torch.int16) if kind == 1 else out,
+        limit if limit is not None else part,
+        m,
+        n,
+        out.stride(0),
+        SPLIT=split,
+        HAS_LIMIT=limit is not None,
+        BLOCK=block,
+        OUT_KIND=kind,
+        num_warps=4,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_k(cfg: dict, k: int) -> tuple[dict, int, int]:
+    """A launch config without its ``SPLIT`` entry, the number of K splits it gives and the
+    K columns per split (whole ``BK`` tiles; fewer splits than asked when K is short)."""
+    split = cfg.pop("SPLIT", 1)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg["BK"]), split) * cfg["BK"]
+    return cfg, triton.cdiv(k, k_per_split), k_per_split
