@@ -16,8 +16,9 @@ FP8 and FP4 GEMMs take their activations as ``act`` says: ``"bf16"``, as compute
 ``"mxfp8"``, MXFP8-quantised first as DeepInfer does. The operators a layer builds
 (``Fp8BlockGemm``, ``Fp8GroupedGemm``, ``Fp4RowsGemm``, ``StoredGemm``) read
 ``DEEPINFER_GEMM_ACTIVATIONS`` once, when built, and run the references or, where
-``ops.dispatch`` picks them (bf16 models on CUDA), the Triton kernels of
-``ops/triton/fp8_gemm.py``. Imports no vLLM.
+``ops.dispatch`` picks them (bf16 models on CUDA), the kernels of ``ops/triton/fp8_gemm.py``
+(dense FP8; its Gluon decode kernel on sm90) and ``ops/triton/stored_gemm.py`` (bf16 / fp32
+weights on bf16 tensor cores, exact products). Imports no vLLM.
 """
 
 from __future__ import annotations
@@ -257,10 +258,22 @@ class Fp4RowsGemm(ActivationsGemm):
 
 
 class StoredGemm(KernelOp):
-    """``gemm_stored(x, weight, out_dtype)``: bf16 / fp32 weights (the reference)."""
+    """``gemm_stored(x, weight, out_dtype)``: bf16 / fp32 weights (the compressor, indexer and
+    head GEMMs); the reference, or for bf16 ``x`` the Triton kernel of
+    ``ops/triton/stored_gemm.py`` (bf16 tensor cores, an fp32 weight split exactly into three
+    bf16 parts: the same fp32 products, summed in another order). Other ``x`` dtypes keep the
+    reference."""
 
     name = "stored_gemm"
     family = "gemm"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.stored_gemm"}
 
     def forward_native(self, x, weight, out_dtype=None):
         return gemm_stored(x, weight, out_dtype)
+
+    def forward_triton(self, x, weight, out_dtype=None):
+        if x.dtype != torch.bfloat16:
+            return gemm_stored(x, weight, out_dtype)
+        rows, cols = weight.shape
+        y = self.kernels.stored_gemm(x.reshape(-1, cols), weight, out_dtype or x.dtype)
+        return y.view(*x.shape[:-1], rows)

@@ -45,9 +45,12 @@ def assert_within_one_ulp(out: torch.Tensor, want: torch.Tensor, ulps: int = 1, 
     assert (o == w).float().mean().item() >= 0.99
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T,D", CASES)
-def test_hc_mix(T, D, device):
-    streams, fn, base, scale = make(T, D, device)
+def test_hc_mix(T, D, device, dtype):
+    """bf16 streams: the projection on bf16 tensor cores (fn split exactly in three); fp32
+    streams: the fp32 ``ieee`` dot. The same tolerances for both."""
+    streams, fn, base, scale = make(T, D, device, dtype=dtype)
     got = mhc.hc_mix(streams, fn, base, scale, RMS_EPS, HC_EPS, ITERS)
     want = ref.hc_mix(streams, fn, base, scale, RMS_EPS, HC_EPS, ITERS)
     for g, w, tol in zip(got, want, (2e-5, 2e-5, 1e-4)):

@@ -14,20 +14,30 @@ kilobytes; in a decode step they cost more than the site's GEMMs. Here:
 * ``hc_expand``: ``post * y + comb^T streams`` per token and column block.
 
 All arithmetic is fp32 as in the reference; only summation order and the exponential's
-last bits differ (``tests/gpu/test_mhc.py`` states the tolerances).
+last bits differ (``tests/gpu/test_mhc.py`` states the tolerances). For bf16 streams the
+projection runs on the tensor cores and stays exact: ``fn``'s fp32 entries are split into
+three bf16 numbers (``stored_gemm.bf16x3``: exact for ``|fn| >= 2^-110``), each product of a
+bf16 stream value with a part is exact in fp32, and three bf16 dots with fp32 accumulation
+sum the reference's products (fp32 streams keep the ``ieee`` fp32 dot).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.triton.indexer import _round_bf16
+from deepinfer_vllm.ops.triton.stored_gemm import bf16x3, dot_bf16, widen_bf16
 
 __all__ = ["MIX_CHUNK", "hc_collapse_norm", "hc_expand", "hc_mix", "rms_norm"]
 
-MIX_CHUNK = 1024  # columns of the flattened streams per split of the mix projection
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Columns of the flattened streams per split of the mix projection: a constant, so a row's
+# bits do not depend on the batch; 256 gives one token 80 programs at hc * D = 20480.
+MIX_CHUNK = 256
 _MIX_ROWS = 16  # tokens per program of the projection (tl.dot's minimum M)
 _MIX_BK = 64
 
@@ -46,6 +56,8 @@ def _hc_mix_partial_kernel(
     ROWS: tl.constexpr,
     BK: tl.constexpr,
     NP: tl.constexpr,
+    BF16_X: tl.constexpr,  # bf16 streams: fn split into three bf16 parts on the tensor cores
+    F32_DOT: tl.constexpr,  # interpreter: the bf16 dots widened to fp32 (same products)
 ):
     """Split ``pid(1)``'s columns: ``part[s, t, n] = sum_k x[t, k] fn[n, k]``, ``sq[s, t] = sum_k x^2``."""
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -59,9 +71,17 @@ def _hc_mix_partial_kernel(
         k = k0 + kk
         x = tl.load(
             x_ptr + t64[:, None] * x_stride + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :], other=0.0
-        ).to(tl.float32)
+        )
         w = tl.load(fn_ptr + n[None, :] * K + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
+        if BF16_X:
+            hi, mid, lo = bf16x3(w)
+            acc = dot_bf16(x, hi, acc, F32_DOT)
+            acc = dot_bf16(x, mid, acc, F32_DOT)
+            acc = dot_bf16(x, lo, acc, F32_DOT)
+            x = widen_bf16(x)
+        else:
+            x = x.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision="ieee")
         sq += tl.sum(x * x, axis=1)
     T_pad = tl.num_programs(0) * ROWS
     tl.store(part_ptr + (s * T_pad + t)[:, None] * NP + n[None, :], acc)
@@ -176,7 +196,21 @@ def hc_mix(
     if T == 0:
         return pre, post, comb
     _hc_mix_partial_kernel[(t_blocks, splits)](
-        x, fn, part, sq, T, K, N, x.stride(0), CHUNK=MIX_CHUNK, ROWS=_MIX_ROWS, BK=_MIX_BK, NP=NP, num_warps=4
+        x,
+        fn,
+        part,
+        sq,
+        T,
+        K,
+        N,
+        x.stride(0),
+        CHUNK=MIX_CHUNK,
+        ROWS=_MIX_ROWS,
+        BK=_MIX_BK,
+        NP=NP,
+        BF16_X=x.dtype == torch.bfloat16,
+        F32_DOT=_INTERPRET,
+        num_warps=4,
     )
     _hc_mix_split_kernel[(t_blocks,)](
         part,

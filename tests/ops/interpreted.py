@@ -1,0 +1,46 @@
+"""Kernel tests on the CPU under Triton's interpreter, whatever the test run imported first.
+
+The interpreter must be on before Triton is first imported (vLLM and the Gluon modules import it
+at collection), so a test module imports ``INTERPRETED`` and ``rerun_interpreted`` from here: in
+a normal run its kernel tests skip and one test reruns the whole file in a subprocess with
+``TRITON_INTERPRET=1`` set from the start, asserting that it passed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _interpreted() -> bool:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if "triton.language" not in sys.modules:
+        return True  # imported later, under the interpreter
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.zeros, InterpretedFunction)
+
+
+INTERPRETED = _interpreted()
+
+
+def rerun_interpreted(path: str) -> None:
+    """Run the test file ``path`` in a subprocess under the interpreter; fail with its output unless
+    it passed (its own rerun test skips itself there)."""
+    # a fresh pytest: not an xdist worker of this run (tests/conftest.py asks workers for their options)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["TRITON_INTERPRET"] = "1"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", path],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    assert " passed" in run.stdout and " skipped" in run.stdout
