@@ -20,18 +20,25 @@ weights. Rounding points follow DeepInfer's expert pipeline (its GPU kernels rou
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import quant_gemm
+from .dispatch import KernelOp
 from .numerics import acc_dtype, gemm, matmul, pointwise
 from .weight_gemm import ActivationsGemm
 
 __all__ = [
+    "ExpertGrouping",
+    "ExpertSum",
     "GroupedExpertGemm",
+    "Groups",
+    "MoeRouter",
     "stable_topk_indices",
     "route_sqrtsoftplus",
+    "sqrtsoftplus_select",
     "swiglu_clamped",
     "expert_mlp",
     "expert_choices",
@@ -76,6 +83,22 @@ def route_sqrtsoftplus(
     """
     acc = acc_dtype(x.dtype)
     logits = matmul(x.to(acc), gate_weight.to(acc))
+    return sqrtsoftplus_select(
+        logits, bias, top_k, routed_scaling_factor, norm_topk_prob, bias_vl=bias_vl, is_image=is_image
+    )
+
+
+def sqrtsoftplus_select(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool = True,
+    bias_vl: torch.Tensor | None = None,
+    is_image: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_sqrtsoftplus`` from its logits ``[T, E]`` (in the accumulation dtype) on."""
+    acc = logits.dtype
     scores = pointwise(F.softplus, logits).sqrt()
     E = scores.shape[-1]
     if bias is None:
@@ -216,20 +239,107 @@ class GroupedExpertGemm(ActivationsGemm):
     def forward_native(self, x, offsets, weight, scale, out_dtype=None):
         return quant_gemm.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)
 
-    def check_scales(self, scale: torch.Tensor, name: str) -> None:
-        """Raise ``ValueError`` naming ``name`` when its UE8M0 scale bytes exceed what the chosen
-        kernel decodes exactly (the Triton kernel: ``MAX_SCALE_BYTE``, 2^1); called once per
-        tensor while loading, where the bytes are still on the host."""
-        limit = getattr(self.kernels, "MAX_SCALE_BYTE", None)
-        if limit is None or scale.numel() == 0:
-            return
-        top = int(scale.view(torch.uint8).max())
-        if top > limit:
-            raise ValueError(
-                f"{name}: UE8M0 scale 2^{top - 127} exceeds 2^{limit - 127}, the largest the routed "
-                f"experts' GPU kernel decodes exactly (ops/triton/moe_gemm.py); run this checkpoint "
-                "with DEEPINFER_GEMM_KERNELS=torch"
-            )
-
     def forward_triton(self, x, offsets, weight, scale, out_dtype=None):
         return self.kernels.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing and grouping operators (the reference above, or ops/triton/routing.py)
+# ---------------------------------------------------------------------------------------------
+
+
+class Groups(NamedTuple):
+    """(token, slot) pairs grouped by local expert: ``order`` and ``offsets`` as ``expert_groups``
+    gives them, ``rows = order // k`` (each grouped pair's token), ``weights`` (the routing weights
+    in grouped order) and ``position`` (the grouped row of each pair, the inverse of ``order``;
+    None where the implementation did not form it)."""
+
+    order: torch.Tensor
+    offsets: torch.Tensor
+    rows: torch.Tensor
+    weights: torch.Tensor
+    position: torch.Tensor | None
+
+
+class _Bf16Kernels(KernelOp):
+    """A ``fused``-family operator whose kernels compute the fp32 islands of bf16 models: models of
+    other dtypes (fp32, whose islands accumulate in fp64) keep the reference on every backend."""
+
+    family = "fused"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.routing"}
+
+    def _implementation(self, backend: str):
+        if self.dtype != torch.bfloat16:
+            return self.forward_native
+        return super()._implementation(backend)
+
+
+class MoeRouter(_Bf16Kernels):
+    """``route_sqrtsoftplus`` with ``is_image = token_ids == image_token_id`` (no image rows when
+    either is None): the reference, or the logits GEMM and one Triton kernel for the rest."""
+
+    name = "moe_route"
+
+    def forward_native(
+        self, x, gate_weight, bias, top_k, routed_scaling_factor, norm_topk_prob=True, bias_vl=None,
+        token_ids=None, image_token_id=None,
+    ):
+        is_image = None
+        if token_ids is not None and image_token_id is not None:
+            is_image = token_ids == image_token_id
+        return route_sqrtsoftplus(
+            x, gate_weight, bias, top_k, routed_scaling_factor, norm_topk_prob, bias_vl=bias_vl,
+            is_image=is_image,
+        )
+
+    def forward_triton(
+        self, x, gate_weight, bias, top_k, routed_scaling_factor, norm_topk_prob=True, bias_vl=None,
+        token_ids=None, image_token_id=None,
+    ):
+        return self.kernels.route_sqrtsoftplus(
+            x, gate_weight, bias, top_k, routed_scaling_factor, norm_topk_prob, bias_vl, token_ids,
+            image_token_id,
+        )
+
+
+class ExpertGrouping(_Bf16Kernels):
+    """``Groups`` of ``ids [T, k]`` over ``experts`` with ``weights [T, k]``: the reference
+    (``expert_groups`` and two gathers), or one Triton launch up to the kernel's ``MAX_PAIRS``
+    pairs (a bound on shapes: no host synchronisation either way)."""
+
+    name = "moe_expert_groups"
+
+    def forward_native(self, ids: torch.Tensor, experts: range, weights: torch.Tensor) -> Groups:
+        order, offsets = expert_groups(ids, experts)
+        return Groups(order, offsets, order // ids.shape[1], weights.reshape(-1)[order], None)
+
+    def forward_triton(self, ids: torch.Tensor, experts: range, weights: torch.Tensor) -> Groups:
+        if ids.numel() > self.kernels.MAX_PAIRS:
+            return self.forward_native(ids, experts, weights)
+        return Groups(*self.kernels.expert_groups(ids, experts, weights))
+
+
+class ExpertSum(_Bf16Kernels):
+    """A token's ``k`` expert outputs rounded to ``dtype`` and summed in ascending id:
+    ``sum_in_expert_order(y.view(T, k, -1).to(acc_dtype(dtype)), ids, dtype)`` for rows ``y`` in
+    pair order, or in grouped order when ``groups`` is given (the grouped GEMM's output, read in
+    place by the kernel through ``groups.position``; the reference scatters it back first)."""
+
+    name = "moe_expert_sum"
+
+    def forward_native(
+        self, y: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, groups: Groups | None = None
+    ) -> torch.Tensor:
+        if groups is not None:
+            y = torch.empty_like(y).index_copy_(0, groups.order, y)
+        return sum_in_expert_order(y.view(*ids.shape, -1).to(acc_dtype(dtype)), ids, dtype)
+
+    def forward_triton(
+        self, y: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, groups: Groups | None = None
+    ) -> torch.Tensor:
+        position = None
+        if groups is not None:
+            position = groups.position
+            if position is None:
+                y = torch.empty_like(y).index_copy_(0, groups.order, y)
+        return self.kernels.expert_sum(y, ids, dtype, position)

@@ -1,7 +1,8 @@
 """V4.1 mixture of experts (sqrt-softplus routing, clamped SwiGLU routed experts plus a shared
 expert) with routed experts held as released (packed E2M1).
 
-Routing is ``ops.moe.route_sqrtsoftplus`` on this rank's tokens. The routed
+Routing is ``ops.moe.route_sqrtsoftplus`` on this rank's tokens (``ops.moe.MoeRouter``: the
+reference, or one Triton kernel after the logits GEMM). The routed
 experts are split over vLLM's expert group (``layers.parallel``): whole
 experts with ``enable_expert_parallel``, otherwise a slice of every expert's
 intermediate dimension. Tokens of other data-parallel ranks are gathered, each
@@ -13,12 +14,13 @@ so one rank computes exactly what the reference computes.
 
 Two ways to run the routed experts, with the same rounding points: expert
 by expert (the reference: each expert's rows found on the host), and grouped
-(``ops.moe.expert_groups`` sorts the (token, choice) pairs by expert on the
-device and one grouped GEMM per projection runs every local expert, with no
-host synchronisation; the Triton kernel on CUDA for bf16 models). The grouped way
+(``ops.moe.ExpertGrouping``: ``expert_groups`` sorts the (token, choice) pairs by expert on
+the device, or one Triton launch counting-sorts them, and one grouped GEMM per projection runs
+every local expert, with no host synchronisation; the Triton kernel on CUDA for bf16 models). The grouped way
 runs where the grouped GEMM operator, built with the layer, got the Triton kernel
 (``ops.dispatch``). Sums over a token's experts run in ascending expert order in
-both (``ops.moe.sum_in_expert_order``).
+both (``ops.moe.sum_in_expert_order``; ``ops.moe.ExpertSum``'s kernel reads the grouped GEMM's
+output in place).
 
 vLLM's FusedMoE has no CPU method for these formats, and its all-to-all
 needs collectives vLLM's CPU communicator lacks, so the MoE is ours; its
@@ -37,11 +39,11 @@ from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenE
 from deepinfer_vllm.model_executor.layers.params import built_for, held, ue8m0_dtype
 from deepinfer_vllm.ops.eplb import initial_placement, logical_to_physical
 from deepinfer_vllm.ops.moe import (
+    ExpertGrouping,
+    ExpertSum,
     GroupedExpertGemm,
+    MoeRouter,
     expert_choices,
-    expert_groups,
-    route_sqrtsoftplus,
-    sum_in_expert_order,
     swiglu_clamped,
 )
 from deepinfer_vllm.ops.numerics import acc_dtype
@@ -132,6 +134,9 @@ class RoutedExperts(nn.Module):
         self.grouped_gemm = GroupedExpertGemm(device, dtype)
         # The grouped path where its GEMM runs the kernel; expert by expert on the reference.
         self.grouped = self.grouped_gemm.backend == "triton"
+        # Grouping and the sums over a token's experts (reference or Triton kernels, ops.moe).
+        self.grouping = ExpertGrouping(device, dtype)
+        self.expert_sum = ExpertSum(device, dtype)
         if self.balanced:
             start = initial_placement(1, n_experts, self.n_physical)
             # Logical expert of each slot (the balancer keeps it current; loading reads it).
@@ -259,21 +264,18 @@ class RoutedExperts(nn.Module):
     ):
         """``partial`` with every local expert in one grouped GEMM per projection."""
         acc = acc_dtype(x.dtype)
-        n, k = ids.shape
-        order, offsets = expert_groups(ids, self.local)
+        groups = self.grouping(ids, self.local, weights)
         gemm = self.grouped_gemm
-        gate_up = gemm(x[order // k], offsets, self.w13, self.w13_scale, x.dtype)
+        gate_up = gemm(x[groups.rows], groups.offsets, self.w13, self.w13_scale, x.dtype)
         gate, up = gate_up.split(self.width, dim=-1)
-        act = swiglu_clamped(gate, up, limit) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
+        act = swiglu_clamped(gate, up, limit) * groups.weights.to(acc).unsqueeze(-1)
         # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero.
-        down = gemm(act.to(x.dtype), offsets, self.w2, self.w2_scale, acc if self.split else x.dtype)
-        per_pair = torch.empty_like(down).index_copy_(0, order, down)
-        if self.split:
-            return per_pair
-        if self.per_pair:
-            return per_pair.to(acc)
+        down = gemm(act.to(x.dtype), groups.offsets, self.w2, self.w2_scale, acc if self.split else x.dtype)
+        if self.split or self.per_pair:
+            per_pair = torch.empty_like(down).index_copy_(0, groups.order, down)
+            return per_pair if self.split else per_pair.to(acc)
         order_ids = ids if order_ids is None else order_ids
-        return sum_in_expert_order(per_pair.view(n, k, -1).to(acc), order_ids, x.dtype)
+        return self.expert_sum(down, order_ids, x.dtype, groups)
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float
@@ -298,7 +300,7 @@ class RoutedExperts(nn.Module):
     def combine(self, summed: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Split experts (and ``per_pair``): round each (token, choice) to ``dtype`` and sum a
         token's choices in ascending (logical) expert order, as one rank would."""
-        return sum_in_expert_order(summed.view(*ids.shape, -1), ids, dtype)
+        return self.expert_sum(summed, ids, dtype)
 
 
 class V41MoE(nn.Module):
@@ -327,6 +329,7 @@ class V41MoE(nn.Module):
         self.image_token_id = image_token_id
         self.layout = layout
         self.gate = Gate(n_experts, hidden)
+        self.router = MoeRouter(*built_for())
         self.experts = RoutedExperts(n_experts, hidden, inter, layout, redundant)
         self.shared_experts = SharedExpert(hidden, inter, quant_config, f"{prefix}.shared_experts")
 
@@ -359,10 +362,7 @@ class V41MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        is_image = None
-        if self.image_token_id is not None:
-            is_image = input_ids == self.image_token_id
-        weights, ids = route_sqrtsoftplus(
+        weights, ids = self.router(
             x,
             self.gate.weight,
             self.gate.bias,
@@ -370,7 +370,8 @@ class V41MoE(nn.Module):
             self.routed_scaling_factor,
             self.norm_topk_prob,
             bias_vl=self.gate.bias_vl,
-            is_image=is_image,
+            token_ids=input_ids,
+            image_token_id=self.image_token_id,
         )
         routed = self.experts(x, weights, ids, self.swiglu_limit)
         routed = routed + self.shared_experts(x, self.swiglu_limit).to(routed.dtype)
