@@ -373,6 +373,34 @@ def profile(fn, device, steps: int = 3, rows: int = 30) -> None:
         print(f"  {key:48s} {t / steps:9.1f} us/step  ({c // steps} calls)")
 
 
+def sources(fn, steps: int = 3, rows: int = 70) -> None:
+    """The operators that launch the device kernels of ``steps`` calls of ``fn``, by the device time of the
+    kernels each launches itself, with the plugin's frames of the Python stack that called it."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    # without the verbose config this torch keeps no Python frames on the operators
+    verbose = _ExperimentalConfig(verbose=True)
+    with torch_profile(activities=activities, with_stack=True, experimental_config=verbose) as prof:
+        for _ in range(steps):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    items = [
+        e
+        for e in prof.key_averages(group_by_stack_n=12)
+        if e.self_device_time_total > 0 and e.device_type != torch.autograd.DeviceType.CUDA
+    ]
+    launches = sum(e.count for e in items)
+    print(f"operators launching kernels: {launches / steps:.0f} calls per step")
+    for e in sorted(items, key=lambda e: -e.self_device_time_total)[:rows]:
+        frames = [f for f in (e.stack or []) if "deepinfer_vllm" in f or "benchmarks" in f][:3]
+        where = " < ".join(f.split("deepinfer_vllm/")[-1] for f in frames)
+        print(f"  {e.key[:34]:34s} {e.self_device_time_total / steps:7.1f} us {e.count / steps:4.0f}x  {where}")
+
+
 ANNOTATED = {
     "deepinfer_vllm.model_executor.models.deepseek_v41": ("collapse_norm",),
     "deepinfer_vllm.model_executor.layers.v41_mhc:HyperConnection": ("mix", "expand"),
@@ -431,6 +459,11 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="also print the kernels of each case's eager step by device time",
+    )
+    parser.add_argument(
+        "--sources",
+        action="store_true",
+        help="also print, for each case's eager step, the operators launching its kernels and where they are called",
     )
     parser.add_argument(
         "--engram",
@@ -511,6 +544,8 @@ def main() -> None:
         report(name, "eager", timed(forward, 5 if args.dry_run else 20, device), nbytes, flops)
         if args.profile:
             profile(forward, device)
+        if args.sources:
+            sources(forward)
         if device.type == "cuda":
             replay = graphed(forward)
             report(name, "graphed", timed(replay, 50, device), nbytes, flops)

@@ -156,6 +156,7 @@ GLUON_CONFIGS = [
     dict(BT=8, NS=4, SPLIT=2, ASYNC=True),
     dict(BT=64, WG=2, NS=3, SPLIT=2, ASYNC=True),
     dict(BT=16, WG=1, NS=2, SPLIT=1, ASYNC=True),
+    dict(BT=32, WG=2, NS=4, SPLIT=2, ASYNC=True),
 ]
 
 

@@ -184,6 +184,8 @@ def gather_tokens(group, rows: torch.Tensor, counts: list[int], fill: float = 0)
     """All ranks' ``rows`` (``counts[r]`` rows on rank ``r``) stacked in rank order,
     each padded with ``fill`` rows to ``max(counts)``: ``[world * max, ...]``."""
     width = max(counts)
+    if group.world_size == 1 and rows.shape[0] == width:
+        return rows  # nothing to pad or exchange
     padded = rows.new_full((width, *rows.shape[1:]), fill)
     padded[: rows.shape[0]] = rows
     if group.world_size == 1:
