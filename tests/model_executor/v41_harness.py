@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,13 +66,18 @@ class PagedHarness:
         max_model_len: int = 1024,
         load_weights: bool = True,
         ring_blocks: int | None = None,
+        init_groups: Callable | None = None,
         **engine_args,
     ):
         """``load_weights=False`` leaves the parameters uninitialised (benchmarks fill them);
         ``ring_blocks``: blocks of the compressor-ring caches (one per request; default
         ``num_blocks``); ``engine_args`` go to vLLM's ``EngineArgs`` (e.g. ``max_num_seqs``).
         vLLM's ``swa_bounded_replay`` is off unless asked for (``swa_bounded_replay=True``):
-        every layer then runs every prompt row, the reference's default."""
+        every layer then runs every prompt row, the reference's default.
+        ``init_groups(cfg)``: sets up vLLM's process groups under the harness's config (made
+        current) before the model is built, in place of ``single_rank_groups()``; a multi-rank
+        caller passes its parallel engine args (``data_parallel_size``,
+        ``enable_expert_parallel``) here too (``multi_rank_harness.py``)."""
         import deepinfer_vllm
 
         deepinfer_vllm.register()
@@ -92,7 +98,10 @@ class PagedHarness:
             set_default_torch_dtype(self.cfg.model_config.dtype),
             self.device,
         ):
-            single_rank_groups()
+            if init_groups is None:
+                single_rank_groups()
+            else:
+                init_groups(self.cfg)
             self.model = DeepseekV41ForCausalLM(vllm_config=self.cfg)
             if load_weights:
                 self.model.load_weights(self._weights(model_dir))
@@ -172,7 +181,10 @@ class PagedHarness:
     def run(self, prepared: tuple) -> torch.Tensor:
         """The device part of a step (the model's forward and logits) on prepared inputs."""
         ids, positions, metadata = prepared
-        with set_forward_context(metadata, self.cfg):
+        # With data parallelism vLLM's forward context agrees on the ranks' token counts (a
+        # collective over the DP group), as its runner does before every forward.
+        dp = self.cfg.parallel_config.data_parallel_size > 1
+        with set_forward_context(metadata, self.cfg, num_tokens=ids.shape[0] if dp else None):
             hidden = self.model(ids, positions)
         return self.model.compute_logits(hidden)
 
