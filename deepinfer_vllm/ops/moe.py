@@ -260,6 +260,10 @@ class Groups(NamedTuple):
     weights: torch.Tensor
     position: torch.Tensor | None
 
+    def in_pair_order(self, y: torch.Tensor) -> torch.Tensor:
+        """Rows ``y`` in grouped order (a grouped GEMM's output) put back in (token, slot) order."""
+        return torch.empty_like(y).index_copy_(0, self.order, y)
+
 
 class _Bf16Kernels(KernelOp):
     """A ``fused``-family operator whose kernels compute the fp32 islands of bf16 models: models of
@@ -331,7 +335,7 @@ class ExpertSum(_Bf16Kernels):
         self, y: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, groups: Groups | None = None
     ) -> torch.Tensor:
         if groups is not None:
-            y = torch.empty_like(y).index_copy_(0, groups.order, y)
+            y = groups.in_pair_order(y)
         return sum_in_expert_order(y.view(*ids.shape, -1).to(acc_dtype(dtype)), ids, dtype)
 
     def forward_triton(
@@ -341,5 +345,5 @@ class ExpertSum(_Bf16Kernels):
         if groups is not None:
             position = groups.position
             if position is None:
-                y = torch.empty_like(y).index_copy_(0, groups.order, y)
+                y = groups.in_pair_order(y)
         return self.kernels.expert_sum(y, ids, dtype, position)

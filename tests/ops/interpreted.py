@@ -2,12 +2,13 @@
 
 The interpreter must be on before Triton is first imported (vLLM and the Gluon modules import it
 at collection), so a test module imports ``INTERPRETED`` and ``rerun_interpreted`` from here: in
-a normal run its kernel tests skip and one test reruns the whole file in a subprocess with
-``TRITON_INTERPRET=1`` set from the start, asserting that it passed.
+a normal run its kernel tests skip (their fixtures call ``interpreted_module``) and one test reruns the
+whole file in a subprocess with ``TRITON_INTERPRET=1`` set from the start, asserting that it passed.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -44,3 +45,13 @@ def rerun_interpreted(path: str) -> None:
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     assert " passed" in run.stdout and " skipped" in run.stdout
+
+
+def interpreted_module(name: str):
+    """The kernel module ``name``, built under the interpreter when imported here; skips in the parent
+    process, where the file's rerun test runs it."""
+    import pytest
+
+    if not INTERPRETED:
+        pytest.skip("run under the interpreter by test_kernels_interpreted")
+    return importlib.import_module(name)

@@ -115,19 +115,37 @@ def test_grouped_fp4_gemm_rejects_bad_offsets():
         activations(x, "fp4")
 
 
-def test_fp8_gemm_refuses_scales_its_kernel_cannot_decode():
-    """Scale bytes above the Gluon kernel's ``MAX_SCALE_BYTE`` are refused when a layer is loaded, by name;
-    the reference takes any."""
+@pytest.mark.parametrize(
+    "op_name,module,name,message",
+    [
+        (
+            "moe.GroupedExpertGemm",
+            "moe_gemm",
+            "experts.3.w1.scale",
+            r"experts\.3\.w1\.scale: UE8M0 scale 2\^2 exceeds 2\^1",
+        ),
+        (
+            "weight_gemm.Fp8BlockGemm",
+            "fp8_gemm",
+            "layers.0.attn.wq_a.scale",
+            r"layers\.0\.attn\.wq_a\.scale: UE8M0 scale 2\^8 exceeds 2\^7",
+        ),
+    ],
+)
+def test_gemm_refuses_scales_its_kernel_cannot_decode(op_name, module, name, message):
+    """Each GPU kernel decodes scale bytes up to its module's ``MAX_SCALE_BYTE`` exactly (the expert
+    kernel 2^1, the dense Gluon kernel 2^7); a checkpoint tensor with a larger one is refused while
+    loading, by name. The reference takes any."""
     import importlib
 
-    from deepinfer_vllm.ops.weight_gemm import Fp8BlockGemm
-
-    op = Fp8BlockGemm("cpu", torch.bfloat16)
-    big = torch.full((2, 2), 200, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    op.check_scales(big, "layers.0.attn.wq_a.scale")
-    op.kernels = importlib.import_module("deepinfer_vllm.ops.triton.fp8_gemm")  # as on a CUDA device
-    ok = torch.full((2, 2), op.kernels.MAX_SCALE_BYTE, dtype=torch.uint8)
-    op.check_scales(ok.view(torch.float8_e8m0fnu), "layers.0.attn.wq_a.scale")
-    ok[0, 1] += 1
-    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq_a\.scale: UE8M0 scale 2\^8 exceeds 2\^7"):
-        op.check_scales(ok.view(torch.float8_e8m0fnu), "layers.0.attn.wq_a.scale")
+    owner, cls = op_name.split(".")
+    op = getattr(importlib.import_module(f"deepinfer_vllm.ops.{owner}"), cls)("cpu", torch.bfloat16)
+    assert op.backend == "torch"
+    big = torch.full((4, 2), 200, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    op.check_scales(big, name)  # the reference: no limit
+    op.kernels = importlib.import_module(f"deepinfer_vllm.ops.triton.{module}")  # as on a CUDA device
+    ok = torch.full((4, 2), op.kernels.MAX_SCALE_BYTE, dtype=torch.uint8)
+    op.check_scales(ok.view(torch.float8_e8m0fnu), name)
+    ok[1, 1] += 1
+    with pytest.raises(ValueError, match=message):
+        op.check_scales(ok.view(torch.float8_e8m0fnu), name)

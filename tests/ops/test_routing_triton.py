@@ -13,13 +13,11 @@ The kernels run under the interpreter in a subprocess (``tests/ops/interpreted.p
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from deepinfer_vllm.ops import moe
-from tests.ops.interpreted import INTERPRETED, rerun_interpreted
+from tests.ops.interpreted import INTERPRETED, interpreted_module, rerun_interpreted
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the interpreted run")
@@ -29,10 +27,7 @@ def test_kernels_interpreted():
 
 @pytest.fixture(scope="module")
 def R():
-    """The kernel module (its kernels are built under the interpreter when it is imported)."""
-    if not INTERPRETED:
-        pytest.skip("run under the interpreter by test_kernels_interpreted")
-    return importlib.import_module("deepinfer_vllm.ops.triton.routing")
+    return interpreted_module("deepinfer_vllm.ops.triton.routing")
 
 
 def _separated_logits(T: int, E: int, seed: int, lo: float = -4.0, hi: float = 8.0) -> torch.Tensor:

@@ -14,13 +14,11 @@ The kernels run under the interpreter in a subprocess (``tests/ops/interpreted.p
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from deepinfer_vllm.ops.weight_gemm import StoredGemm, gemm_stored
-from tests.ops.interpreted import INTERPRETED, rerun_interpreted
+from tests.ops.interpreted import INTERPRETED, interpreted_module, rerun_interpreted
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the interpreted run")
@@ -30,10 +28,7 @@ def test_kernels_interpreted():
 
 @pytest.fixture(scope="module")
 def K():
-    """The kernel module (its kernels are built under the interpreter when it is imported)."""
-    if not INTERPRETED:
-        pytest.skip("run under the interpreter by test_kernels_interpreted")
-    return importlib.import_module("deepinfer_vllm.ops.triton.stored_gemm")
+    return interpreted_module("deepinfer_vllm.ops.triton.stored_gemm")
 
 
 def _edge_values() -> torch.Tensor:

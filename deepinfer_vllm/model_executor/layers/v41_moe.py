@@ -272,7 +272,7 @@ class RoutedExperts(nn.Module):
         # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero.
         down = gemm(act.to(x.dtype), groups.offsets, self.w2, self.w2_scale, acc if self.split else x.dtype)
         if self.split or self.per_pair:
-            per_pair = torch.empty_like(down).index_copy_(0, groups.order, down)
+            per_pair = groups.in_pair_order(down)
             return per_pair if self.split else per_pair.to(acc)
         order_ids = ids if order_ids is None else order_ids
         return self.expert_sum(down, order_ids, x.dtype, groups)

@@ -32,7 +32,6 @@ __all__ = ["ACT_MODES", "MAX_SCALE_BYTE", "fp8_block_gemm", "pick_config"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_MODES = ("bf16", "mxfp8")
-_OUT_KIND = OUT_KINDS
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -163,7 +162,7 @@ def _fp8_gemm_kernel(
 def gemm_output(x: torch.Tensor, rows: int, n: int, out_dtype: torch.dtype | None) -> torch.Tensor:
     """The ``[rows, n]`` output of a GEMM of ``x`` (``out_dtype`` default ``x.dtype``)."""
     out_dtype = out_dtype or x.dtype
-    if out_dtype not in _OUT_KIND:
+    if out_dtype not in OUT_KINDS:
         raise TypeError(f"out_dtype must be fp32, bf16 or fp16, got {out_dtype}")
     return torch.empty(rows, n, dtype=out_dtype, device=x.device)
 
@@ -234,7 +233,7 @@ def fp8_block_gemm(
     # ungrouped, a tile past N is masked as before.
     while groups > 1 and group_n % cfg["BN"]:
         cfg["BN"] //= 2
-    kind = _OUT_KIND[out_dtype]
+    kind = OUT_KINDS[out_dtype]
     target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
     _fp8_gemm_kernel[grid](

@@ -31,19 +31,15 @@ import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.triton.fp8_gemm import (
-    _OUT_KIND,
     ACT_MODES,
     gemm_activations,
     gemm_output,
     mma_bf16,
-    sm_count,
-    split_k,
-    splitk_reduce,
-    store_out,
     store_tile,
     weight_bytes,
 )
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_grouped_fp4_gemm, gluon_moe_supported
+from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, splitk_reduce, store_out
 
 __all__ = ["check_grouped_args", "grouped_fp4_gemm", "moe_config"]
 
@@ -383,7 +379,7 @@ def grouped_fp4_gemm(
     cfg = dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device))
     cfg["BK"] = tile_k(k, cfg["BK"])
     cfg, split, k_per_split = split_k(cfg, k)
-    kind = _OUT_KIND[out_dtype]
+    kind = OUT_KINDS[out_dtype]
     offs = expert_offsets if expert_offsets.is_contiguous() else expert_offsets.contiguous()
     target = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
     n_tiles = triton.cdiv(n, cfg["BN"])

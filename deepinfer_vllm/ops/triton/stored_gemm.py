@@ -38,15 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_vllm.ops.triton.fp8_gemm import (
-    _OUT_KIND,
-    gemm_output,
-    pick_config,
-    sm_count,
-    split_k,
-    splitk_reduce,
-    store_tile,
-)
+from deepinfer_vllm.ops.triton.fp8_gemm import gemm_output, pick_config, store_tile
+from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, splitk_reduce
 
 __all__ = ["bf16x3", "dot_bf16", "split_bf16x3", "stored_config", "stored_gemm", "widen_bf16"]
 
@@ -227,7 +220,7 @@ def stored_gemm(
     cfg, split, k_per_split = split_k(
         dict(config) if config else stored_config(m, n, k, w_fp32, sms=sm_count(x.device)), k
     )
-    kind = _OUT_KIND[out.dtype]
+    kind = OUT_KINDS[out.dtype]
     target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
     _stored_gemm_kernel[grid](
