@@ -13,50 +13,68 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_vllm.ops.compressor import pool_ratio2
+from deepinfer_vllm.ops.compressor import pool_ratio2, ring_write_reference, step_pair_rows
 from deepinfer_vllm.ops.dispatch import KernelOp
 from deepinfer_vllm.ops.numerics import acc_dtype
 from deepinfer_vllm.ops.paged_attention import paged_sparse_attention
 from deepinfer_vllm.ops.paged_indexer import indexer_topk
-from deepinfer_vllm.ops.paged_records import RecordFormat, write_records_at_slots
+from deepinfer_vllm.ops.paged_records import RecordFormat, store_paged
 
 __all__ = ["IndexerTopK", "PagedSparseAttention", "PoolPairs", "StoreRecords"]
 
 
 class StoreRecords(KernelOp):
-    """Quantise rows and store them at flat record slots (slots < 0 skipped):
-    ``op(cache, fmt, slots, x)``, the arguments of ``write_records_at_slots``."""
+    """Quantise rows and store them as entries of requests' paged records:
+    ``op(cache, fmt, block_table, req, entry, x, keep)``, the arguments of ``store_paged``
+    (rows where ``keep`` is False are skipped; the kernel addresses the pages itself)."""
 
     name = "store_records"
     family = "attention"
 
     def forward_native(
-        self, cache: torch.Tensor, fmt: RecordFormat | str, slots: torch.Tensor, x: torch.Tensor
+        self,
+        cache: torch.Tensor,
+        fmt: RecordFormat | str,
+        block_table: torch.Tensor,
+        req: torch.Tensor,
+        entry: torch.Tensor,
+        x: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> None:
-        write_records_at_slots(cache, fmt, slots, x)
+        store_paged(cache, fmt, block_table, req, entry, x, keep)
 
     def forward_triton(
-        self, cache: torch.Tensor, fmt: RecordFormat | str, slots: torch.Tensor, x: torch.Tensor
+        self,
+        cache: torch.Tensor,
+        fmt: RecordFormat | str,
+        block_table: torch.Tensor,
+        req: torch.Tensor,
+        entry: torch.Tensor,
+        x: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> None:
         from deepinfer_vllm.ops.triton.cache_store import store_records
 
-        store_records(cache, fmt, slots, x.contiguous())
+        store_records(cache, fmt, block_table, req, entry, x.contiguous(), keep)
 
 
 class PoolPairs(KernelOp):
-    """The ratio-2 latents of the pairs a step's tokens close:
-    ``op(first, second, closes, req, entry, out_dtype) -> (latents, req, entry, keep)``.
+    """The ratio-2 latents of the pairs a step's tokens close, and the compressor ring kept:
+    ``op(rows, ring, block_table, req, pos, context_lens, seq_lens, out_dtype) -> (latents, req,
+    entry, keep)``.
 
-    ``first`` / ``second`` are each token's pair rows ``[T, 2 * D]`` fp32 laid out ``[u | g]``
-    (the pair's first row and the token's own), ``closes [T]`` marks the tokens that close a
-    pair (odd positions), ``req`` / ``entry`` their request rows and group indices. Each
-    latent is ``pool_ratio2`` of its pair rounded to ``out_dtype``; the caller stores row ``i``
-    as entry ``entry[i]`` of request row ``req[i]`` unless ``keep[i]`` is False.
+    ``rows [T, 2 * D]`` are the step's fp32 ``[u | g]`` rows, ``ring [num_blocks, capacity, 2 * D]``
+    the earlier steps' rows (request ``r``'s in block ``block_table[r, 0]``, at ``position %
+    capacity``); a token at an odd position closes the pair ``(pos - 1, pos)``, whose first row is
+    the step's previous row or the ring's (``compressor.step_pair_rows``). Each latent is
+    ``pool_ratio2`` of its pair rounded to ``out_dtype``; the caller stores row ``i`` as entry
+    ``entry[i]`` of request row ``req[i]`` unless ``keep[i]`` is False. Then each request's rows
+    of its last ``capacity`` positions go into the ring (read before overwritten).
 
     * reference: pools the closing tokens' pairs only (``keep`` is None), so every row after
       it (norm, projections, rotation) is computed for the stored latents alone;
-    * Triton: pools every token's pair and returns ``keep = closes``: sizes never depend on
-      device values (no host synchronisation).
+    * Triton: two kernels (pool every token's pair, then the ring write); ``keep`` marks the
+      closing tokens: sizes never depend on device values (no host synchronisation).
     """
 
     name = "pool_pairs"
@@ -64,31 +82,41 @@ class PoolPairs(KernelOp):
 
     def forward_native(
         self,
-        first: torch.Tensor,
-        second: torch.Tensor,
-        closes: torch.Tensor,
+        rows: torch.Tensor,
+        ring: torch.Tensor,
+        block_table: torch.Tensor,
         req: torch.Tensor,
-        entry: torch.Tensor,
+        pos: torch.Tensor,
+        context_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
         out_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        d = first.shape[-1] // 2
-        pair_u = torch.stack([first[closes, :d], second[closes, :d]], dim=1)
-        pair_g = torch.stack([first[closes, d:], second[closes, d:]], dim=1)
+        first = step_pair_rows(rows, ring, block_table, req, pos, context_lens)
+        closes = (pos % 2) == 1
+        d = rows.shape[-1] // 2
+        pair_u = torch.stack([first[closes, :d], rows[closes, :d]], dim=1)
+        pair_g = torch.stack([first[closes, d:], rows[closes, d:]], dim=1)
         lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1), acc_dtype(out_dtype)).to(out_dtype)
-        return lat, req[closes], entry[closes], None
+        ring_write_reference(ring, block_table, req, pos, seq_lens, rows)
+        return lat, req[closes], pos[closes] // 2, None
 
     def forward_triton(
         self,
-        first: torch.Tensor,
-        second: torch.Tensor,
-        closes: torch.Tensor,
+        rows: torch.Tensor,
+        ring: torch.Tensor,
+        block_table: torch.Tensor,
         req: torch.Tensor,
-        entry: torch.Tensor,
+        pos: torch.Tensor,
+        context_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
         out_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        from deepinfer_vllm.ops.triton.cache_store import pool_pairs
+        from deepinfer_vllm.ops.triton.cache_store import pool_pairs, ring_write
 
-        return pool_pairs(first.contiguous(), second.contiguous(), out_dtype), req, entry, closes
+        rows = rows.contiguous()
+        lat, entry, closes = pool_pairs(rows, ring, block_table, req, pos, context_lens, out_dtype)
+        ring_write(ring, block_table, req, pos, seq_lens, rows)
+        return lat, req, entry, closes
 
 
 class IndexerTopK(KernelOp):

@@ -14,7 +14,8 @@ Rounding points:
     projects in the activation dtype), then RMSNorm -> model dtype.
 
 ``PoolPairs`` is the pooling operator the attention layer calls over paged steps (the PyTorch
-reference, or ``ops.triton.cache_store.pool_pairs`` on the Triton backend).
+reference: ``step_pair_rows``, ``pool_ratio2`` and ``ring_write_reference``; on the Triton
+backend ``ops.triton.cache_store.pool_pairs`` and ``ring_write``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from .numerics import acc_dtype, gemm
 __all__ = [
     "compressor_project",
     "pool_ratio2",
+    "ring_write_reference",
+    "step_pair_rows",
     "compressor_finalize",
     "compressor_latents",
 ]
@@ -64,6 +67,41 @@ def pool_ratio2(u: torch.Tensor, g: torch.Tensor, acc: torch.dtype = torch.float
     e0 = torch.exp(g0 - m)
     e1 = torch.exp(g1 - m)
     return (e0 * u0 + e1 * u1) / (e0 + e1)
+
+
+def step_pair_rows(
+    rows: torch.Tensor,
+    ring: torch.Tensor,
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's pair's first row ``[T, 2 * D]``: the step's previous row when position
+    ``pos - 1`` is in this step (``>= context_lens[req]``; a request's tokens are consecutive),
+    else row ``(pos - 1) % capacity`` of the ring ``[num_blocks, capacity, 2 * D]`` block
+    ``block_table[req, 0]`` (rows of earlier steps, kept by ``ring_write_reference``)."""
+    prev = (torch.arange(rows.shape[0], device=rows.device) - 1).clamp_min(0)
+    in_step = (pos - 1) >= context_lens[req]
+    back = (pos - 1).clamp_min(0) % ring.shape[1]
+    from_ring = ring[block_table[req, 0].long(), back.long()]
+    return torch.where(in_step.unsqueeze(1), rows[prev], from_ring)
+
+
+def ring_write_reference(
+    ring: torch.Tensor,
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """Keep each request's rows of its last ``capacity`` positions in its ring at ``pos %
+    capacity`` (older rows of a long chunk would collide there)."""
+    cap = ring.shape[1]
+    recent = pos >= seq_lens[req] - cap
+    req, pos = req[recent], pos[recent]
+    ring[block_table[req, 0].long(), (pos % cap).long()] = rows[recent].to(ring.dtype)
 
 
 def compressor_finalize(v: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:

@@ -8,8 +8,8 @@ is the one place that knows that layout; it imports no vLLM so the GPU host and
 the reference tests can use it.
 
 ``StoreRecords`` is the quantise-and-store operator the attention layer calls:
-``write_records_at_slots`` here, ``ops.triton.cache_store.store_records`` on the
-Triton backend (same arguments, same bytes).
+``store_paged`` here, ``ops.triton.cache_store.store_records`` on the Triton backend
+(same arguments, same bytes; the kernel reads the block table itself).
 """
 
 from __future__ import annotations
@@ -89,23 +89,29 @@ def write_records(
     scales[blocks, offsets] = q_scales
 
 
-def write_records_at_slots(
+def store_paged(
     cache: torch.Tensor,
     fmt: RecordFormat | str,
-    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    entry: torch.Tensor,
     x: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> None:
-    """``write_records`` addressed by slot (``block * N + offset``); rows with slot < 0 are skipped.
+    """Quantise ``x [n, dim]`` and store row ``i`` as entry ``entry[i]`` of request row ``req[i]``
+    (``block_table [R, W]``), skipping rows where ``keep [n]`` is False.
 
-    The reference of the Triton ``ops.triton.cache_store.store_records``, which
-    takes the same arguments. A format name means records of ``x.shape[-1]`` dims.
-    """
+    A page holds ``N = cache.shape[-2]`` records: entry ``e`` sits in page column ``e // N`` at
+    record ``e % N`` (``record_address`` with ``block_size = N * ratio``, the same place). The
+    reference of ``ops.triton.cache_store.store_records``, which takes the same arguments. A
+    format name means records of ``x.shape[-1]`` dims."""
     if isinstance(fmt, str):
         fmt = RecordFormat(fmt, x.shape[-1])
+    if keep is not None:
+        req, entry, x = req[keep], entry[keep], x[keep]
     num_states = cache.shape[-2]
-    keep = slots >= 0
-    kept = slots[keep].long()
-    write_records(cache, fmt, kept // num_states, kept % num_states, x[keep])
+    blocks, offsets = record_address(block_table, req, entry, 1, num_states)
+    write_records(cache, fmt, blocks, offsets, x)
 
 
 def read_records(

@@ -2,7 +2,7 @@
 
 Both are claimed bit-exact: whole cache buffers (poisoned with random bytes,
 pages padded and offset like vLLM's block-outermost packing) must come out
-byte-identical to ``paged_records.write_records_at_slots``, and pooled rows
+byte-identical to ``paged_records.store_paged``, and pooled rows
 identical to ``pool_ratio2(...).to(dtype)`` computed on the same device.
 """
 
@@ -14,10 +14,10 @@ import torch
 
 from conftest import INTERPRET, shapes
 from deepinfer_vllm.ops import quant
-from deepinfer_vllm.ops.compressor import pool_ratio2
+from deepinfer_vllm.ops.compressor import pool_ratio2, ring_write_reference, step_pair_rows
 from deepinfer_vllm.ops.numerics import acc_dtype
-from deepinfer_vllm.ops.paged_records import RecordFormat, write_records_at_slots
-from deepinfer_vllm.ops.triton.cache_store import pool_pairs, store_records
+from deepinfer_vllm.ops.paged_records import RecordFormat, store_paged
+from deepinfer_vllm.ops.triton.cache_store import pool_pairs, ring_write, store_records
 
 # (format, record dims): the real Flash dims and a small non-power-of-two one.
 FORMATS = [("mxfp8", 512), ("mxfp8", 96), ("nvfp4", 512), ("nvfp4", 48), ("mxfp4", 128), ("mxfp4", 32)]
@@ -114,11 +114,24 @@ def _paged_buffer(num_blocks: int, n_per_page: int, record: int, seed: int):
     return buf, view
 
 
-def _slots(n: int, capacity: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+def _addresses(n: int, num_blocks: int, n_per_page: int, seed: int, dtype: torch.dtype):
+    """``(block_table, req, entry, keep)``: ``n`` distinct entries of requests whose tables
+    share out a permutation of the blocks (two requests when the count is even), about 15% of
+    the rows not kept."""
     g = torch.Generator().manual_seed(seed)
-    slots = torch.randperm(capacity, generator=g)[:n]
-    skip = torch.rand(n, generator=g) < 0.15
-    return torch.where(skip, -1, slots).to(dtype)
+    reqs = 2 if num_blocks % 2 == 0 else 1
+    table = torch.randperm(num_blocks, generator=g).view(reqs, -1).to(dtype)
+    per_req = table.shape[1] * n_per_page
+    flat = torch.randperm(reqs * per_req, generator=g)[:n]
+    keep = torch.rand(n, generator=g) >= 0.15
+    return table, (flat // per_req).to(dtype), (flat % per_req).to(dtype), keep
+
+
+def _slot_addresses(slots: torch.Tensor, num_blocks: int, n_per_page: int):
+    """Flat slots ``block * N + record`` (-1 skipped) as one request owning every block in order."""
+    table = torch.arange(num_blocks, device=slots.device).view(1, -1)
+    keep = slots >= 0
+    return table, torch.zeros_like(slots), slots.clamp_min(0), keep
 
 
 def _assert_coverage(fmt: str, x: torch.Tensor) -> None:
@@ -149,11 +162,16 @@ def test_store_records_bit_exact(device, fmt, dim, dtype, n, n_per_page):
     x = wide_inputs(n, dim, fmt, dtype, seed).to(device)
     if n >= 256:
         _assert_coverage(fmt, x.cpu())
-    slot_dtype = torch.int64 if fmt == "nvfp4" else torch.int32
-    slots = _slots(n, num_blocks * n_per_page, seed, slot_dtype).to(device)
+    index_dtype = torch.int64 if fmt == "nvfp4" else torch.int32
+    table, req, entry, keep = (t.to(device) for t in _addresses(n, num_blocks, n_per_page, seed, index_dtype))
     four_d = dtype == torch.bfloat16  # [B, 1, N, R] or [B, N, R]
-    write_records_at_slots(view(want, four_d), rf, slots, x)
-    store_records(view(buf, four_d), fmt, slots, x)
+    store_paged(view(want, four_d), rf, table, req, entry, x, keep)
+    store_records(view(buf, four_d), fmt, table, req, entry, x, keep)
+    if n > 1:  # every row kept: the same bytes without the mask
+        buf2, want2 = buf.clone(), want.clone()
+        store_paged(view(want2, four_d), rf, table, req, entry, x)
+        store_records(view(buf2, four_d), fmt, table, req, entry, x)
+        assert torch.equal(buf2, want2)
     if device.type == "cuda":
         torch.cuda.synchronize()
     diff = (buf != want).nonzero()
@@ -177,8 +195,9 @@ def test_store_records_nvfp4_reciprocal_scale_cases(device):
     buf = buf.to(device)
     want = buf.clone()
     slots = torch.arange(x.shape[0], device=device).flip(0)
-    write_records_at_slots(view(want, False), rf, slots, x)
-    store_records(view(buf, False), rf, slots, x)
+    addr = _slot_addresses(slots, x.shape[0], 1)
+    store_paged(view(want, False), rf, *addr[:3], x, addr[3])
+    store_records(view(buf, False), rf, *addr[:3], x, addr[3])
     assert torch.equal(buf, want)
 
 
@@ -190,13 +209,13 @@ def test_store_records_strided_rows_and_all_skipped(device):
     want = buf.clone()
     wide = wide_inputs(6, 2 * dim, fmt, torch.bfloat16, 5).to(device)
     x = wide[:, dim:]  # row stride 2 * dim
-    slots = torch.tensor([11, -1, 0, 5, 7, 2], device=device)
-    write_records_at_slots(view(want, True), rf, slots, x)
-    store_records(view(buf, True), rf, slots, x)
+    table, req, entry, keep = _slot_addresses(torch.tensor([11, -1, 0, 5, 7, 2], device=device), 3, 4)
+    store_paged(view(want, True), rf, table, req, entry, x, keep)
+    store_records(view(buf, True), rf, table, req, entry, x, keep)
     assert torch.equal(buf, want)
     untouched = buf.clone()
-    store_records(view(buf, True), rf, torch.full((6,), -1, device=device), x)
-    store_records(view(buf, True), rf, slots[:0], x[:0])
+    store_records(view(buf, True), rf, table, req, entry, x, torch.zeros_like(keep))
+    store_records(view(buf, True), rf, table, req[:0], entry[:0], x[:0], keep[:0])
     assert torch.equal(buf, untouched)
 
 
@@ -204,19 +223,26 @@ def test_store_records_rejects_bad_inputs(device):
     rf = RecordFormat("mxfp8", 64)
     cache = torch.zeros(2, 1, 4, rf.record_bytes, dtype=torch.uint8, device=device)
     x = torch.zeros(3, 64, device=device)
-    slots = torch.zeros(3, dtype=torch.int64, device=device)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    idx = torch.zeros(3, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="record"):
-        store_records(cache, "nvfp4", slots, x)
+        store_records(cache, "nvfp4", table, idx, idx, x)
     with pytest.raises(TypeError, match="bf16 or fp32"):
-        store_records(cache, rf, slots, x.half())
-    with pytest.raises(ValueError, match="slots"):
-        store_records(cache, rf, slots[:2], x)
+        store_records(cache, rf, table, idx, idx, x.half())
+    with pytest.raises(ValueError, match="entry must be"):
+        store_records(cache, rf, table, idx, idx[:2], x)
+    with pytest.raises(TypeError, match="req must be int32/int64"):
+        store_records(cache, rf, table, idx.float(), idx, x)
+    with pytest.raises(ValueError, match="keep must be bool"):
+        store_records(cache, rf, table, idx, idx, x, idx)
+    with pytest.raises(ValueError, match="block_table"):
+        store_records(cache, rf, table[0], idx, idx, x)
     with pytest.raises(ValueError, match="multiple"):
-        store_records(cache, "mxfp8", slots, torch.zeros(3, 48, device=device))
+        store_records(cache, "mxfp8", table, idx, idx, torch.zeros(3, 48, device=device))
     with pytest.raises(ValueError, match="unknown"):
-        store_records(cache, "fp8", slots, x)
+        store_records(cache, "fp8", table, idx, idx, x)
     with pytest.raises(ValueError, match="contiguous"):
-        store_records(cache.repeat(1, 1, 2, 1)[:, :, ::2], rf, slots, x)
+        store_records(cache.repeat(1, 1, 2, 1)[:, :, ::2], rf, table, idx, idx, x)
 
 
 # ---------------------------------------------------------------------------
@@ -259,32 +285,95 @@ def _pool_reference(first: torch.Tensor, second: torch.Tensor, dtype: torch.dtyp
     return pool_ratio2(pair_u, pair_g, acc_dtype(dtype)).to(dtype)
 
 
+def _in_step(first: torch.Tensor, second: torch.Tensor):
+    """One request of ``2n`` tokens from position 0: token ``2j + 1`` closes ``(first[j], second[j])``."""
+    n, w = first.shape
+    rows = torch.stack([first, second], dim=1).reshape(2 * n, w)
+    dev = rows.device
+    ring = torch.full((2, 4, w), float("nan"), device=dev)  # never read
+    table = torch.tensor([[1]], dtype=torch.int32, device=dev)
+    req = torch.zeros(2 * n, dtype=torch.int64, device=dev)
+    pos = torch.arange(2 * n, device=dev)
+    ctx = torch.zeros(1, dtype=torch.int32, device=dev)
+    return rows, ring, table, req, pos, ctx
+
+
+def _from_ring(first: torch.Tensor, second: torch.Tensor, seed: int, cap: int = 4):
+    """``n`` requests of one token each at an odd position, the pair's first row in the ring."""
+    n, w = first.shape
+    g = torch.Generator().manual_seed(seed)
+    dev = first.device
+    table = torch.randperm(n + 2, generator=g)[:n].view(n, 1).to(torch.int32).to(dev)
+    pos = (2 * torch.randint(0, 1000, (n,), generator=g) + 1).to(dev)
+    ring = torch.full((n + 2, cap, w), float("nan"), device=dev)
+    ring[table[:, 0].long(), (pos - 1) % cap] = first
+    req = torch.arange(n, device=dev).to(torch.int32)
+    return second, ring, table, req, pos, pos.to(torch.int32)
+
+
 @pytest.mark.parametrize("n", shapes([1, 5, 37], [4096, 16384]))
 @pytest.mark.parametrize("dim", [512, 24])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_pool_pairs_bit_exact(device, same_device_exp, n, dim, dtype):
+    """Both sources of a pair's first row (the step's previous row, the ring) give the
+    reference's bits; every token gets an entry ``pos // 2`` and ``closes`` (odd positions)."""
     first, second = _pair_rows(n, dim, n + dim)
     first, second = first.to(device), second.to(device)
     want = _pool_reference(first, second, dtype)
-    got = pool_pairs(first, second, dtype)
-    assert got.dtype == dtype and got.shape == (n, dim)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    diff = (got.view(bits) != want.view(bits)).nonzero()
-    assert diff.numel() == 0, f"{diff.shape[0]} of {n * dim} differ, first at {diff[:5].tolist()}"
+    for step in (_in_step(first, second), _from_ring(first, second, n)):
+        rows, pos = step[0], step[4]
+        got, entry, closes = pool_pairs(*step, dtype)
+        assert got.dtype == dtype and got.shape == (rows.shape[0], dim)
+        assert torch.equal(entry, pos // 2) and torch.equal(closes, pos % 2 == 1)
+        got = got[closes]
+        diff = (got.view(bits) != want.view(bits)).nonzero()
+        assert diff.numel() == 0, f"{diff.shape[0]} of {n * dim} differ, first at {diff[:5].tolist()}"
+        # the reference's own gathering of the pairs agrees
+        assert torch.equal(step_pair_rows(*step)[closes], first)
+
+
+def test_ring_write_keeps_each_requests_last_rows(device):
+    """Rows of each request's last ``capacity`` positions land at ``pos % capacity`` of its ring
+    block, as the reference writes them; older rows of a long chunk and other blocks untouched."""
+    g = torch.Generator().manual_seed(7)
+    cap, w = 4, 48
+    lens = [3, 9, 1]  # request 1's chunk is longer than the ring
+    req = torch.cat([torch.full((k,), i) for i, k in enumerate(lens)])
+    ctx = torch.tensor([5, 0, 12])
+    pos = torch.cat([torch.arange(c, c + k) for c, k in zip(ctx.tolist(), lens)])
+    seq = ctx + torch.tensor(lens)
+    table = torch.tensor([[4, 0], [1, 0], [2, 0]], dtype=torch.int32)
+    rows = torch.randn(req.numel(), w, generator=g)
+    ring = torch.randn(6, cap, w, generator=g)
+    want = ring.clone()
+    ring_write_reference(want, table, req, pos, seq, rows)
+    args = [t.to(device) for t in (table, req, pos, seq, rows)]
+    got = ring.to(device)
+    ring_write(got, *args)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(want[1, 1], rows[3 + 5])  # request 1 (rows 3..11), position 5: one of its last 4
+    assert torch.equal(want[3], ring[3]) and torch.equal(want[5], ring[5])
 
 
 def test_pool_pairs_strided_rows_and_errors(device, same_device_exp):
     first, second = _pair_rows(9, 64, 3)
-    ring = torch.zeros(9, 3, 128)
-    ring[:, 1] = first  # rows of a wider buffer: row stride 384
-    ring, second = ring.to(device), second.to(device)
-    got = pool_pairs(ring[:, 1], second, torch.bfloat16)
-    want = _pool_reference(ring[:, 1], second, torch.bfloat16)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert pool_pairs(second[:0], second[:0], torch.bfloat16).shape == (0, 64)
+    wide = torch.zeros(18, 3, 128)
+    step = list(_in_step(first, second))
+    wide[:, 1] = step[0]
+    step[0] = wide[:, 1].to(device)  # rows of a wider buffer: row stride 384
+    step = [t.to(device) for t in step]
+    got, _, closes = pool_pairs(*step, torch.bfloat16)
+    want = _pool_reference(first, second, torch.bfloat16).to(device)
+    assert torch.equal(got[closes].view(torch.int16), want.view(torch.int16))
+    empty = [t[:0] if t.dim() == 1 and t.numel() == 18 else t for t in step]
+    empty[0] = step[0][:0]
+    assert pool_pairs(*empty, torch.bfloat16)[0].shape == (0, 64)
     with pytest.raises(TypeError, match="out_dtype"):
-        pool_pairs(second, second, torch.float16)
-    with pytest.raises(TypeError, match="fp32"):
-        pool_pairs(second.double(), second.double(), torch.bfloat16)
-    with pytest.raises(ValueError, match="2\\*D"):
-        pool_pairs(second, second[:, :64], torch.bfloat16)
+        pool_pairs(*step, torch.float16)
+    with pytest.raises(ValueError, match="fp32"):
+        pool_pairs(step[0].double(), *step[1:], torch.bfloat16)
+    with pytest.raises(ValueError, match="ring"):
+        pool_pairs(step[0], step[1][..., :64], *step[2:], torch.bfloat16)
+    with pytest.raises(ValueError, match="pos must be"):
+        pool_pairs(*step[:4], step[4][:3], step[5], torch.bfloat16)

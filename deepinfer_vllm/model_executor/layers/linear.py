@@ -43,7 +43,7 @@ class V41RowParallelLinear(RowParallelLinear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # the one rounding happens in the GEMM (no separate cast)
+            return self.quant_method.apply(self, x, out_dtype=x.dtype)
         partial = self.quant_method.apply(self, x, out_dtype=acc_dtype(x.dtype))
-        if self.tp_size > 1:
-            partial = all_reduce(get_tp_group(), partial)
-        return partial.to(x.dtype)
+        return all_reduce(get_tp_group(), partial).to(x.dtype)

@@ -143,11 +143,6 @@ class PagedView:
     def _slot(self, req: torch.Tensor, entry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return record_address(self.meta.block_table, req, entry, self.layer.ratio, self.meta.block_size)
 
-    def slots(self, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
-        """Flat record slots ``block * records_per_page + offset`` (the kernels' addressing)."""
-        blocks, offsets = self._slot(req, entry)
-        return blocks * (self.meta.block_size // self.layer.ratio) + offsets
-
     def write(self, req: torch.Tensor, entry: torch.Tensor, x: torch.Tensor) -> None:
         if entry.numel() == 0:
             return
@@ -161,7 +156,9 @@ class PagedView:
 
 
 class RingView:
-    """The ratio-2 compressor ring: fp32 rows addressed by token position."""
+    """The ratio-2 compressor ring: fp32 rows ``[num_blocks, capacity, row_floats]``, request
+    ``r``'s in block ``block_table[r, 0]`` at ``position % capacity`` (``ops`` ``PoolPairs``
+    reads and keeps it)."""
 
     def __init__(self, layer: V41CacheLayer, state: StepState):
         self.layer = layer
@@ -169,18 +166,5 @@ class RingView:
         cache = layer.kv_cache
         if cache.dim() == 4:
             cache = cache.squeeze(1)
-        self.rows = cache  # [num_blocks, ring_rows, row_floats] fp32
+        self.rows = cache
         self.capacity = cache.shape[1]
-
-    def _slot(self, req: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.meta.block_table[req, 0], pos % self.capacity
-
-    def write(self, req: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> None:
-        if pos.numel() == 0:
-            return
-        blocks, offsets = self._slot(req, pos)
-        self.rows[blocks, offsets] = rows.float()
-
-    def read(self, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        blocks, offsets = self._slot(req, pos)
-        return self.rows[blocks, offsets]

@@ -182,13 +182,11 @@ class V41Attention(nn.Module):
         keep: torch.Tensor | None = None,
     ) -> None:
         """Quantise ``rows`` and store them as entries ``entry`` of request rows ``req``; rows
-        where ``keep`` is False are skipped (slot -1)."""
+        where ``keep`` is False are skipped."""
         if entry.numel() == 0:
             return
-        slots = view.slots(req, entry)
-        if keep is not None:
-            slots = torch.where(keep, slots, torch.full_like(slots, -1))
-        self.store_records(view.layer.kv_cache, view.layer.record, slots, rows)
+        layer = view.layer
+        self.store_records(layer.kv_cache, layer.record, view.meta.block_table, req, entry, rows, keep)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, state: StepState, write_compressed: bool = True) -> torch.Tensor:
@@ -223,8 +221,9 @@ class V41Attention(nn.Module):
         pos = state.positions
         req = state.token_req
         window = PagedView(self.window_cache, state)
-        window_lo = self._window_lower_bound(state)
-        self._store(window, req, pos, kv, keep=pos >= window_lo)
+        bound = self._window_lower_bound(state)
+        self._store(window, req, pos, kv, keep=None if bound is None else pos >= bound)
+        window_lo = torch.zeros_like(pos) if bound is None else bound
         if self.role.is_kv_source and write_compressed:
             self.write_compressed(x, state)
         comp = {}
@@ -256,28 +255,28 @@ class V41Attention(nn.Module):
             **comp,
         )
 
-    def _window_lower_bound(self, state: StepState) -> torch.Tensor:
-        """Lowest position whose window KV this layer keeps, per token: a replayed prefix hit's
-        replay start in every layer (no window KV exists below it), and in decoder layers
-        also prefill truncation's kept range."""
+    def _window_lower_bound(self, state: StepState) -> torch.Tensor | None:
+        """Lowest position whose window KV this layer keeps, per token (None: no bound): a
+        replayed prefix hit's replay start in every layer (no window KV exists below it), and
+        in decoder layers also prefill truncation's kept range."""
         lo = state.window_start
         if state.decoder_window_start is not None and self.role.is_decoder:
             dec = state.decoder_window_start
             lo = dec if lo is None else torch.maximum(lo, dec)
-        return torch.zeros_like(state.positions) if lo is None else lo
+        return lo
 
     # ------------------------------------------------------------- compressor
     def write_compressed(self, x: torch.Tensor, state: StepState) -> None:
         """Compressed KV + index key of every group completed in this step.
 
-        Ratio 2 pools the two rows of each pair a token closes (``PoolPairs``): the reference
-        pools the closed pairs only, the Triton kernel pools a candidate for every token and
-        stores only the closed ones (slot -1 for the others), so its sizes never depend on
-        device values (no host synchronisation, capturable in a CUDA graph).
+        Ratio 2 pools the two rows of each pair a token closes (``PoolPairs``, which also keeps
+        the compressor ring of rows whose pair closes in a later step): the reference pools the
+        closed pairs only, the Triton kernel pools a candidate for every token and stores only
+        the closed ones, so its sizes never depend on device values (no host synchronisation,
+        capturable in a CUDA graph).
         """
         r = self.role.ratio
         comp = self.compressor
-        dev = x.device
         pos = state.positions
         req = state.token_req
         keep = None
@@ -289,22 +288,9 @@ class V41Attention(nn.Module):
             g = linear(comp.wgate, x, torch.float32)
             rows = torch.cat([u, g], dim=-1)
             ring = RingView(self.ring_cache, state)
-            # A pair's first token is in this step's rows, or (pair split
-            # across steps) in the ring, read before this step overwrites it.
-            prev = torch.arange(pos.shape[0], device=dev) - 1
-            in_step = (pos - 1) >= state.context_lens[req]
-            first_rows = torch.where(
-                in_step.unsqueeze(1), rows[prev.clamp_min(0)], ring.read(req, (pos - 1).clamp_min(0))
+            lat, entry_req, entry, keep = self.pool_pairs(
+                rows, ring.rows, ring.meta.block_table, req, pos, state.context_lens, state.seq_lens, x.dtype
             )
-            if 0 < state.max_query_len <= ring.capacity:
-                ring.write(req, pos, rows)  # no request has more rows than the ring
-            else:
-                # Keep only each request's last rows: ring slots are position
-                # modulo its capacity, so older rows of a long chunk would collide.
-                recent = pos >= state.seq_lens[req] - ring.capacity
-                ring.write(req[recent], pos[recent], rows[recent])
-            closes = (pos % 2) == 1
-            lat, entry_req, entry, keep = self.pool_pairs(first_rows, rows, closes, req, pos // 2, x.dtype)
             if lat.shape[0] == 0:
                 return
         if state.replay_start is not None:

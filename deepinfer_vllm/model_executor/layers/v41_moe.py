@@ -374,5 +374,5 @@ class V41MoE(nn.Module):
             image_token_id=self.image_token_id,
         )
         routed = self.experts(x, weights, ids, self.swiglu_limit)
-        routed = routed + self.shared_experts(x, self.swiglu_limit).to(routed.dtype)
-        return routed.to(x.dtype)
+        # the shared expert's output widened to ``routed``'s dtype inside the add (type promotion)
+        return torch.add(routed, self.shared_experts(x, self.swiglu_limit)).to(x.dtype)

@@ -309,24 +309,28 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         if self.engram_runtime is not None:
             # Every Engram layer's rows, hashed now; rows in host memory start moving to the device.
             engram_inputs = self.engram_runtime.start(input_ids, state, is_image)
-        rows = torch.arange(T, device=x.device)
+        rows = None  # the step's rows still computed (None: all T)
         compact_rows = self._apply_prefill_truncation(state) if state.has_caches else None
         targets = arch.dspark_target_layer_ids if self.mtp is not None and state.has_caches else ()
-        entries: list[tuple[torch.Tensor, int]] = []  # (entry streams, rows at the time)
+        entries: list[tuple[torch.Tensor, bool]] = []  # (entry streams, every row at the time)
         for block in self.layers:
             if block.role.layer_id in targets:
-                entries.append((streams, rows.numel()))
+                entries.append((streams, rows is None))
             keep = compact_rows if block.role.layer_id == arch.first_decoder_layer else None
             streams, pre, input_ids, state = block(streams, pre, input_ids, state, engram_inputs, keep)
             if keep is not None:
-                rows = rows[keep]
+                rows = keep if rows is None else rows[keep]
         if entries:
             # Targets before a compact boundary saw every row; keep the rows computed last.
-            feats = target_features([s if n == rows.numel() else s[rows] for s, n in entries])
+            feats = target_features([s[rows] if every and rows is not None else s for s, every in entries])
             self.write_dspark_context(feats, state)
         h = collapse_norm(streams, pre, self.norm)
+        if rows is None and T == positions.shape[0]:
+            return h
+        if rows is None:
+            rows = torch.arange(T, device=h.device)
         # Rows a compact prefill dropped are never sampled (their request's
-        # last row is always kept); they come out as zeros.
+        # last row is always kept), nor are padding rows; they come out as zeros.
         out = torch.zeros(positions.shape[0], arch.hidden_size, dtype=h.dtype, device=h.device)
         out[rows] = h
         return out

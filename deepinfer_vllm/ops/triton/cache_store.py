@@ -1,9 +1,11 @@
 """Quantise-and-store of cache records, and the ratio-2 compressor's gated pooling.
 
-``store_records`` writes rows into vLLM-paged caches in one pass, bit-exact with
-``ops.paged_records.write_records_at_slots`` (``ops.quant`` encoders);
-``pool_pairs`` is ``ops.compressor.pool_ratio2`` followed by the model's rounding
-to the model dtype, bit-exact with it on the same device.
+``store_records`` writes rows into vLLM-paged caches in one pass (addressing the pages from
+the block table itself), bit-exact with ``ops.paged_records.store_paged`` (``ops.quant`` encoders);
+``pool_pairs`` takes each token's ratio-2 pair from the step's rows or the compressor ring
+and is ``ops.compressor.pool_ratio2`` followed by the model's rounding to the model dtype,
+bit-exact with it on the same device; ``ring_write`` then keeps the ring (references:
+``ops.compressor.step_pair_rows`` and ``ring_write_reference``).
 
 How bit-exactness is kept (see ``ops/quant.py`` for the arithmetic itself):
   * every encoder is integer arithmetic on fp32 bit patterns or exact comparisons;
@@ -34,7 +36,7 @@ import triton.language as tl
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.paged_records import RecordFormat
 
-__all__ = ["store_records", "pool_pairs"]
+__all__ = ["store_records", "pool_pairs", "ring_write"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LAUNCH = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -159,10 +161,14 @@ def _pow2(k):
 @triton.jit
 def _store_records_kernel(
     x_ptr,
-    slot_ptr,
+    table_ptr,
+    req_ptr,
+    entry_ptr,
+    keep_ptr,
     cache_ptr,
     n,
     x_row_stride,
+    table_stride,
     block_stride,
     N: tl.constexpr,  # records per page
     VB: tl.constexpr,  # value bytes per record
@@ -176,13 +182,18 @@ def _store_records_kernel(
     FLOOR_BITS: tl.constexpr,  # fp32 bits of the amax floor
     QMAX: tl.constexpr,  # largest element magnitude (MX formats)
     INV6_BITS: tl.constexpr,  # fp32 bits of 1/6 (NVFP4)
+    HAS_KEEP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
-    slot = tl.load(slot_ptr + r, mask=r < n, other=-1).to(tl.int64)
-    live = slot >= 0
-    blk = tl.where(live, slot, 0) // N
-    off = tl.where(live, slot, 0) - blk * N
+    live = r < n
+    if HAS_KEEP:
+        live = live & (tl.load(keep_ptr + r, mask=live, other=0) != 0)
+    entry = tl.load(entry_ptr + r, mask=live, other=0).to(tl.int64)
+    req = tl.load(req_ptr + r, mask=live, other=0).to(tl.int64)
+    col = entry // N  # entry e: page column e // N, record e % N (paged_records.store_paged)
+    off = entry - col * N
+    blk = tl.load(table_ptr + req * table_stride + col, mask=live, other=0).to(tl.int64)
     page = cache_ptr + blk * block_stride  # [ROWS]
 
     b = tl.arange(0, NBP)
@@ -260,15 +271,22 @@ def _page_geometry(cache: torch.Tensor, record: int) -> tuple[int, int, int]:
 
 
 def store_records(
-    cache: torch.Tensor, fmt: str | RecordFormat, slots: torch.Tensor, x: torch.Tensor
+    cache: torch.Tensor,
+    fmt: str | RecordFormat,
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    entry: torch.Tensor,
+    x: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> None:
-    """Quantise ``x [n, D]`` (bf16/fp32) to ``fmt`` and store row i at ``slots[i]``.
+    """Quantise ``x [n, D]`` (bf16/fp32) to ``fmt`` and store row i as entry ``entry[i]`` of
+    request row ``req[i]`` of ``block_table``, unless ``keep[i]`` is False.
 
-    ``cache`` is a layer's uint8 view ``[num_blocks, (1,) N, R]`` (block stride may
-    exceed ``N * R``); ``slot = block * N + offset``, slots < 0 are skipped; slots
-    must be distinct and below ``num_blocks * N`` (not checked: that would sync).
-    Same bytes as ``paged_records.write_records_at_slots`` for every finite or
-    infinite input (blocks holding NaN are outside the contract, see ops/quant.py).
+    ``cache`` is a layer's uint8 view ``[num_blocks, (1,) N, R]`` (block stride may exceed
+    ``N * R``); entry ``e`` is record ``e % N`` of the page in column ``e // N``. The stored
+    places must be distinct and inside the table and cache (not checked: that would sync).
+    Same bytes as ``paged_records.store_paged`` for every finite or infinite input (blocks
+    holding NaN are outside the contract, see ops/quant.py).
     """
     name = fmt.fmt if isinstance(fmt, RecordFormat) else fmt
     if name not in _FMT_CODE:
@@ -282,16 +300,25 @@ def store_records(
         raise TypeError(f"x must be bf16 or fp32, got {x.dtype}")
     if n and x.stride(1) != 1:
         raise ValueError(f"x rows must be contiguous, got strides {x.stride()}")
-    if slots.dim() != 1 or slots.shape[0] != n:
-        raise ValueError(f"slots must be [{n}], got {tuple(slots.shape)}")
-    if slots.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slots must be int32/int64, got {slots.dtype}")
-    if not (cache.device == x.device == slots.device):
-        raise ValueError(f"devices differ: cache {cache.device}, x {x.device}, slots {slots.device}")
+    for label, t in (("req", req), ("entry", entry)):
+        if t.shape != (n,):
+            raise ValueError(f"{label} must be [{n}], got {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{label} must be int32/int64, got {t.dtype}")
+    if keep is not None and (keep.shape != (n,) or keep.dtype != torch.bool):
+        raise ValueError(f"keep must be bool [{n}], got {tuple(keep.shape)} {keep.dtype}")
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        got = f"{tuple(block_table.shape)} {block_table.dtype}"
+        raise ValueError(f"block_table must be int32/int64 [R, W], got {got}")
+    devices = {t.device for t in (cache, x, req, entry, block_table) + (() if keep is None else (keep,))}
+    if len(devices) != 1:
+        raise ValueError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
     vb, sb = quant.record_bytes(name, dim)  # validates dim against the block
     _, num_states, block_stride = _page_geometry(cache, vb + sb)
     if n == 0:
         return
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
     blk = _BLOCKS[name]
     nb = dim // blk
     nbp = triton.next_power_of_2(nb)
@@ -300,10 +327,14 @@ def store_records(
     grid = (triton.cdiv(n, rows),)
     _store_records_kernel[grid](
         xin,
-        slots.contiguous(),
+        block_table,
+        req.contiguous(),
+        entry.contiguous(),
+        xin if keep is None else keep.contiguous().view(torch.uint8),
         cache,
         n,
         x.stride(0),
+        block_table.stride(0),
         block_stride,
         N=num_states,
         VB=vb,
@@ -317,6 +348,7 @@ def store_records(
         FLOOR_BITS=_f32_bits(_FLOORS[name]),
         QMAX=quant.E4M3_MAX if name == "mxfp8" else quant.E2M1_MAX,
         INV6_BITS=_f32_bits(1.0 / quant.E2M1_MAX),
+        HAS_KEEP=keep is not None,
         num_warps=4,
         **_LAUNCH,
     )
@@ -329,25 +361,46 @@ def store_records(
 
 @triton.jit
 def _pool_pairs_kernel(
-    first_ptr,
-    second_ptr,
+    rows_ptr,
+    ring_ptr,
+    table_ptr,
+    req_ptr,
+    pos_ptr,
+    ctx_ptr,
     out_ptr,
+    entry_ptr,
+    keep_ptr,
     n,
-    first_stride,
-    second_stride,
+    rows_stride,
+    table_stride,
+    ring_block_stride,
+    ring_row_stride,
+    CAP: tl.constexpr,  # ring rows per request
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     ACC_FP64: tl.constexpr,  # fp64 accumulation, fp32 output; else fp32 -> bf16 bits
 ):
+    """Token ``r`` at position ``p``: pool the pair ``(p - 1, p)``; the first row is the step's row
+    ``r - 1`` when position ``p - 1`` is in this step, else the ring's row ``(p - 1) % CAP``."""
     pid = tl.program_id(0)
     r = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    live = r < n
+    p = tl.load(pos_ptr + r, mask=live, other=0).to(tl.int64)
+    q = tl.load(req_ptr + r, mask=live, other=0).to(tl.int64)
+    in_step = (p - 1) >= tl.load(ctx_ptr + q, mask=live, other=0).to(tl.int64)
+    blk = tl.load(table_ptr + q * table_stride, mask=live, other=0).to(tl.int64)
+    back = tl.maximum(p - 1, 0) % CAP
     c = tl.arange(0, BLOCK_D)
-    mask = (r < n)[:, None] & (c < D)[None, :]
-    f = first_ptr + r[:, None] * first_stride + c[None, :]
-    s = second_ptr + r[:, None] * second_stride + c[None, :]
-    u0 = tl.load(f, mask=mask, other=0.0)
-    g0 = tl.load(f + D, mask=mask, other=0.0)
+    cm = (c < D)[None, :]
+    m_step = (live & in_step)[:, None] & cm
+    m_ring = (live & (in_step == 0))[:, None] & cm
+    mask = live[:, None] & cm
+    f_step = rows_ptr + (r - 1)[:, None] * rows_stride + c[None, :]
+    f_ring = ring_ptr + (blk * ring_block_stride + back * ring_row_stride)[:, None] + c[None, :]
+    s = rows_ptr + r[:, None] * rows_stride + c[None, :]
+    u0 = tl.where(m_step, tl.load(f_step, mask=m_step, other=0.0), tl.load(f_ring, mask=m_ring, other=0.0))
+    g0 = tl.where(m_step, tl.load(f_step + D, mask=m_step, other=0.0), tl.load(f_ring + D, mask=m_ring, other=0.0))
     u1 = tl.load(s, mask=mask, other=0.0)
     g1 = tl.load(s + D, mask=mask, other=0.0)
     if ACC_FP64:
@@ -369,48 +422,151 @@ def _pool_pairs_kernel(
         bits = v.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         tl.store(o, rounded.to(tl.int16), mask=mask)
+    tl.store(entry_ptr + r, p // 2, mask=live)
+    tl.store(keep_ptr + r, (p % 2 == 1).to(tl.uint8), mask=live)
 
 
-def pool_pairs(first: torch.Tensor, second: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Gated pooling of ratio-2 pairs: ``pool_ratio2(pair_u, pair_g, acc_dtype(out_dtype)).to(out_dtype)``.
+@triton.jit
+def _ring_write_kernel(
+    rows_ptr,
+    ring_ptr,
+    table_ptr,
+    req_ptr,
+    pos_ptr,
+    seq_ptr,
+    n,
+    rows_stride,
+    table_stride,
+    ring_block_stride,
+    ring_row_stride,
+    CAP: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Row ``r`` into its request's ring at ``pos % CAP`` when it is among the request's last
+    ``CAP`` positions (the older rows of a long chunk would collide)."""
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    live = r < n
+    p = tl.load(pos_ptr + r, mask=live, other=0).to(tl.int64)
+    q = tl.load(req_ptr + r, mask=live, other=0).to(tl.int64)
+    live = live & (p >= tl.load(seq_ptr + q, mask=live, other=0).to(tl.int64) - CAP)
+    blk = tl.load(table_ptr + q * table_stride, mask=live, other=0).to(tl.int64)
+    c = tl.arange(0, BLOCK_W)
+    mask = live[:, None] & (c < W)[None, :]
+    v = tl.load(rows_ptr + r[:, None] * rows_stride + c[None, :], mask=mask)
+    tl.store(ring_ptr + (blk * ring_block_stride + (p % CAP) * ring_row_stride)[:, None] + c[None, :], v, mask=mask)
 
-    ``first`` / ``second`` are the pairs' fp32 rows ``[n, 2 * D]`` laid out ``[u | g]``
-    (the model's step rows or ring rows; any row stride). Returns ``[n, D]`` in
-    ``out_dtype``: bf16 (fp32 arithmetic) or fp32 (fp64 arithmetic, as the
-    reference does for fp32 models).
+
+def _check_step(rows, ring, block_table, req, pos, lens) -> None:
+    if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] % 2:
+        raise ValueError(f"rows must be fp32 [T, 2*D] laid out [u | g], got {tuple(rows.shape)} {rows.dtype}")
+    if ring.dim() != 3 or ring.dtype != torch.float32 or ring.shape[2] != rows.shape[1]:
+        got = f"{tuple(ring.shape)} {ring.dtype}"
+        raise ValueError(f"ring must be fp32 [num_blocks, capacity, {rows.shape[1]}], got {got}")
+    n = rows.shape[0]
+    for label, t in (("req", req), ("pos", pos)):
+        if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{label} must be int32/int64 [{n}], got {tuple(t.shape)} {t.dtype}")
+    if block_table.dim() != 2 or lens.dim() != 1:
+        raise ValueError(f"block_table [R, W] and lengths [R] expected, got {tuple(block_table.shape)}, {tuple(lens.shape)}")
+    if rows.stride(1) != 1 or ring.stride(2) != 1:
+        raise ValueError(f"rows and ring rows must be contiguous, got strides {rows.stride()}, {ring.stride()}")
+    devices = {t.device for t in (rows, ring, block_table, req, pos, lens)}
+    if len(devices) != 1:
+        raise ValueError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
+
+
+def pool_pairs(
+    rows: torch.Tensor,
+    ring: torch.Tensor,
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    context_lens: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated pooling of every token's ratio-2 pair: ``(latents [T, D], entry [T], closes [T])``.
+
+    ``rows [T, 2 * D]`` are the step's fp32 ``[u | g]`` rows (token ``t`` at position ``pos[t]`` of
+    request row ``req[t]``, a request's tokens consecutive); ``ring [num_blocks, capacity, 2 * D]``
+    holds earlier steps' rows, request ``r``'s in block ``block_table[r, 0]`` at ``position %
+    capacity``. The pair's first row is the step's previous row when position ``pos - 1 >=
+    context_lens[req]``, else the ring's. Latents are ``pool_ratio2`` of the pair rounded to
+    ``out_dtype``: bf16 (fp32 arithmetic) or fp32 (fp64 arithmetic, as the reference does for fp32
+    models); ``entry = pos // 2``; ``closes``: odd positions (the pairs that complete). Every
+    token's pair is pooled, so sizes never depend on device values. Run before ``ring_write``.
     """
-    if first.dim() != 2 or first.shape != second.shape:
-        shapes = f"{tuple(first.shape)}, {tuple(second.shape)}"
-        raise ValueError(f"first/second must both be [n, 2*D], got {shapes}")
-    if first.dtype != torch.float32 or second.dtype != torch.float32:
-        raise TypeError(f"pair rows must be fp32, got {first.dtype}, {second.dtype}")
-    if first.shape[1] % 2:
-        raise ValueError(f"rows must hold u then g (even width), got {first.shape[1]}")
+    _check_step(rows, ring, block_table, req, pos, context_lens)
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be bf16 (fp32 pooling) or fp32 (fp64 pooling), got {out_dtype}")
-    if first.device != second.device:
-        raise ValueError(f"devices differ: {first.device}, {second.device}")
-    if first.stride(1) != 1 or second.stride(1) != 1:
-        raise ValueError(f"pair rows must be contiguous, got strides {first.stride()}, {second.stride()}")
-    n, d = first.shape[0], first.shape[1] // 2
-    out = torch.empty(n, d, dtype=out_dtype, device=first.device)
+    n, d = rows.shape[0], rows.shape[1] // 2
+    dev = rows.device
+    out = torch.empty(n, d, dtype=out_dtype, device=dev)
+    entry = torch.empty(n, dtype=torch.int64, device=dev)
+    closes = torch.empty(n, dtype=torch.bool, device=dev)
     if n == 0:
-        return out
+        return out, entry, closes
     block_d = triton.next_power_of_2(d)
-    rows = max(1, min(triton.next_power_of_2(n), 2048 // block_d))
+    rows_per = max(1, min(triton.next_power_of_2(n), 2048 // block_d))
     fp64 = out_dtype == torch.float32
-    _pool_pairs_kernel[(triton.cdiv(n, rows),)](
-        first,
-        second,
+    _pool_pairs_kernel[(triton.cdiv(n, rows_per),)](
+        rows,
+        ring,
+        block_table,
+        req,
+        pos,
+        context_lens,
         out if fp64 else out.view(torch.int16),
+        entry,
+        closes.view(torch.uint8),
         n,
-        first.stride(0),
-        second.stride(0),
+        rows.stride(0),
+        block_table.stride(0),
+        ring.stride(0),
+        ring.stride(1),
+        CAP=ring.shape[1],
         D=d,
         BLOCK_D=block_d,
-        ROWS=rows,
+        ROWS=rows_per,
         ACC_FP64=fp64,
         num_warps=4,
         **_LAUNCH,
     )
-    return out
+    return out, entry, closes
+
+
+def ring_write(
+    ring: torch.Tensor,
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """Store each request's rows of its last ``capacity`` positions (``pos >= seq_lens[req] -
+    capacity``) in its ring, at ``pos % capacity`` (``pool_pairs``' addressing)."""
+    _check_step(rows, ring, block_table, req, pos, seq_lens)
+    n, w = rows.shape
+    if n == 0:
+        return
+    block_w = triton.next_power_of_2(w)
+    rows_per = max(1, min(triton.next_power_of_2(n), 4096 // block_w))
+    _ring_write_kernel[(triton.cdiv(n, rows_per),)](
+        rows,
+        ring,
+        block_table,
+        req,
+        pos,
+        seq_lens,
+        n,
+        rows.stride(0),
+        block_table.stride(0),
+        ring.stride(0),
+        ring.stride(1),
+        CAP=ring.shape[1],
+        W=w,
+        BLOCK_W=block_w,
+        ROWS=rows_per,
+        num_warps=4,
+    )
