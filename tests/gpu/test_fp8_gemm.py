@@ -86,7 +86,8 @@ def test_mxfp8_quantize_bytes(device, dtype, m, k):
 
 CONFIGS = [
     None,
-    dict(BM=16, BN=32, BK=64, SPLIT=3, num_warps=4),
+    dict(BM=16, BN=32, BK=64, SPLIT=3, num_warps=4),  # split K added by each tile's last program
+    dict(BM=32, BN=64, BK=32, SPLIT=2, num_warps=4),  # split K added by splitk_reduce
     dict(BM=32, BN=64, BK=32, SPLIT=1, num_warps=4),
 ]
 

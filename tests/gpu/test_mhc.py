@@ -19,7 +19,7 @@ from deepinfer_vllm.ops.norm import rms_norm
 from deepinfer_vllm.ops.triton import mhc
 
 HC, ITERS, RMS_EPS, HC_EPS = 4, 20, 1e-6, 1e-6
-CASES = shapes([(1, 64), (5, 96), (19, 256)], [(64, 5120), (300, 5120), (2048, 4096)])
+CASES = shapes([(1, 64), (5, 96), (19, 256), (6, 1280)], [(64, 5120), (300, 5120), (2048, 4096)])
 
 
 def make(T: int, D: int, device, seed: int = 0, dtype=torch.bfloat16):

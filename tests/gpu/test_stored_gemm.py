@@ -26,9 +26,10 @@ from deepinfer_vllm.ops.triton.stored_gemm import stored_gemm
 RELEASE = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16)]
 CONFIGS = [
     None,
-    dict(BM=16, BN=32, BK=32, SPLIT=3, num_warps=4),
+    dict(BM=16, BN=32, BK=32, SPLIT=3, num_warps=4),  # split K added by each tile's last program
     dict(BM=32, BN=64, BK=64, SPLIT=1, num_warps=4),
     dict(BM=16, BN=64, BK=64, SPLIT=16, num_warps=4),
+    dict(BM=32, BN=32, BK=32, SPLIT=2, num_warps=4),  # split K added by splitk_reduce
 ]
 
 

@@ -10,8 +10,9 @@ x is taken as given (bf16) or, for act="mxfp8", as its MXFP8 round trip written 
 ``mxfp8_qdq`` (exact) before the GEMM; one bf16 ``tl.dot`` per K tile.
 Decode-sized calls (M <= 64) on sm90 go to the Gluon kernel of ``fp8_gemm_gluon`` (weights decoded straight
 into the wgmma A fragment; exact for scale bytes up to ``MAX_SCALE_BYTE``, checked when a checkpoint is loaded).
-Small M splits K over programs (``SPLIT``); the partial sums go to an fp32 workspace and a
-second kernel adds them in a fixed order: deterministic, no atomics. Output rounding to
+Small M splits K over programs (``SPLIT``); the partial sums go to an fp32 workspace and are
+added in a fixed order (deterministic): by each tile's last program up to ``FIXUP_ROWS`` rows
+(``splitk.split_fixup``, one launch), else by ``splitk_reduce``. Output rounding to
 bf16 is done on the bits (round to nearest even), identical on GPU and interpreter.
 No host synchronisation: capturable in a CUDA graph.
 """
@@ -26,7 +27,16 @@ import triton.language as tl
 
 from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE, gluon_fp8_block_gemm, gluon_fp8_supported
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq
-from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, splitk_reduce, store_out
+from deepinfer_vllm.ops.triton.splitk import (
+    FIXUP_ROWS,
+    OUT_KINDS,
+    sm_count,
+    split_counters,
+    split_fixup,
+    split_k,
+    splitk_reduce,
+    store_out,
+)
 
 __all__ = ["ACT_MODES", "MAX_SCALE_BYTE", "fp8_block_gemm", "pick_config"]
 
@@ -69,14 +79,21 @@ def scale_blocks(w, sw, BN: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def store_tile(
     out_ptr, acc, offs_m, offs_n, omask, pid_k, rows, N, stride_om,
-    SPLIT: tl.constexpr, OUT_KIND: tl.constexpr,
+    SPLIT: tl.constexpr, OUT_KIND: tl.constexpr, part_ptr=None, counter_ptr=None, tile=0,
 ):
     """The epilogue of a ``[BN, BM]`` (column, row) tile: with ``SPLIT > 1`` its fp32 partial sum
-    into the workspace ``[SPLIT, rows, N]`` (``splitk_reduce`` adds them), else the tile rounded
-    into ``out``."""
+    into the workspace ``[SPLIT, rows, N]`` (at ``out_ptr``, which ``splitk_reduce`` adds; or at
+    ``part_ptr``, the last program of the tile adding them into ``out``: ``splitk.split_fixup``),
+    else the tile rounded into ``out``."""
     if SPLIT > 1:
-        ptr = out_ptr + pid_k.to(tl.int64) * rows * N + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-        tl.store(ptr, acc, mask=omask)
+        if counter_ptr is None:
+            ptr = out_ptr + pid_k.to(tl.int64) * rows * N + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+            tl.store(ptr, acc, mask=omask)
+        else:
+            split_fixup(
+                part_ptr, out_ptr, counter_ptr, tile, acc, offs_m, offs_n, omask, pid_k, rows, N, stride_om,
+                SPLIT, OUT_KIND,
+            )
     else:
         store_out(out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None], acc, omask, OUT_KIND)
 
@@ -112,6 +129,8 @@ def _fp8_gemm_kernel(
     w_ptr,
     ws_ptr,
     out_ptr,
+    part_ptr,  # SPLIT > 1: fp32 partials [SPLIT, M, N], added by each tile's last program
+    counter_ptr,
     M,
     N,
     K,
@@ -124,7 +143,7 @@ def _fp8_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    SPLIT: tl.constexpr,  # > 1: write fp32 partials [SPLIT, M, N] to out_ptr
+    SPLIT: tl.constexpr,
     OUT_KIND: tl.constexpr,
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
 ):
@@ -153,7 +172,8 @@ def _fp8_gemm_kernel(
         xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0)
         acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
     omask = n_mask[:, None] & m_mask[None, :]
-    store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND, part_ptr, counter_ptr, tile)
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -234,13 +254,16 @@ def fp8_block_gemm(
     while groups > 1 and group_n % cfg["BN"]:
         cfg["BN"] //= 2
     kind = OUT_KINDS[out_dtype]
-    target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    fixup = split > 1 and cfg["BM"] <= FIXUP_ROWS
     _fp8_gemm_kernel[grid](
         xv,
         w,
         s,
-        target.view(torch.int16) if (split == 1 and kind == 1) else target,
+        part if split > 1 and not fixup else (out.view(torch.int16) if kind == 1 else out),
+        part,
+        split_counters(x.device, grid[0] * grid[1]) if fixup else None,
         m,
         n,
         k,
@@ -255,6 +278,6 @@ def fp8_block_gemm(
         F32_DOT=_INTERPRET,
         **cfg,
     )
-    if split > 1:
-        splitk_reduce(target, out)
+    if split > 1 and not fixup:
+        splitk_reduce(part, out)
     return out

@@ -2,7 +2,8 @@
 
 Same arguments and numbers as ``fp8_gemm.fp8_block_gemm`` (and its reference ``ops.quant_gemm.fp8_block_gemm``):
 ``x [M, groups * K] @ W.T`` for ``W [N, K]`` e4m3 with one UE8M0 scale per 32x32 tile, fp32 accumulation, one
-rounding, the same split-K reduction (fixed order, no atomics, no host synchronisation).
+rounding, the same split-K reduction (fixed order: added by each tile's last program, ``splitk.split_fixup``, up to
+16 rows, else by ``splitk_reduce``; no host synchronisation).
 
 The design is the expert GEMM's (``moe_gemm_gluon``), for one byte per value: the weights are the wgmma's A operand
 (64 weight rows per warpgroup instruction, the batch's few rows on its narrow N side) and each thread decodes exactly
@@ -39,7 +40,7 @@ import torch
 import triton
 
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE
-from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
+from deepinfer_vllm.ops.triton.splitk import sm_count, split_counters, split_k, splitk_reduce
 
 if GLUON_AVAILABLE:
     from triton.experimental import gluon
@@ -135,6 +136,8 @@ if GLUON_AVAILABLE:
         w_ptr,  # int32 view of e4m3 weights [N, K / 4 words]
         ws_ptr,  # int32 view of scales [N / 32, K / 128 words]
         out_ptr,
+        part_ptr,  # SPLIT > 1: fp32 partials [SPLIT, M, N], added by each tile's last program
+        counter_ptr,  # SPLIT > 1: the tiles' arrival counters (``splitk.split_fixup``)
         M,
         N,
         K,
@@ -151,6 +154,7 @@ if GLUON_AVAILABLE:
         SPLIT: gl.constexpr,
         OUT_BF16: gl.constexpr,
         ASYNC: gl.constexpr,
+        FIXUP: gl.constexpr,  # SPLIT > 1: the tile's last program adds the partials (else ``splitk_reduce``)
     ):
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -238,11 +242,27 @@ if GLUON_AVAILABLE:
         async_copy.wait_group(0)
         # epilogue: acc[n, row]
         omask = (m0 + a_c < M)[None, :] & (a_r < BW)[:, None]
-        if SPLIT > 1:
-            optr = out_ptr + pid_k.to(gl.int64) * M * N + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None]
-            gl.store(optr, acc, mask=omask)
+        optr = out_ptr + (m0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
+        if SPLIT > 1 and not FIXUP:  # partials into the workspace at out_ptr (``splitk_reduce`` adds them)
+            gl.store(out_ptr + pid_k.to(gl.int64) * M * N + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None],
+                     acc, mask=omask)
+        elif SPLIT > 1:
+            # ``splitk.split_fixup`` in this kernel's layouts: the partial, then the last to arrive adds them all
+            part = part_ptr + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None]
+            gl.store(part + pid_k.to(gl.int64) * M * N, acc, mask=omask)
+            gl.thread_barrier()
+            tile = pid_m * gl.num_programs(0) + pid_n
+            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                total = gl.zeros([BW, BT], gl.float32, ACC)
+                for s in gl.static_range(SPLIT):
+                    total += gl.load(part + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                if OUT_BF16:
+                    gl.store(optr, total.to(gl.bfloat16), mask=omask)
+                else:
+                    gl.store(optr, total, mask=omask)
+                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
         else:
-            optr = out_ptr + (m0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
             if OUT_BF16:
                 gl.store(optr, acc.to(gl.bfloat16), mask=omask)
             else:
@@ -262,6 +282,10 @@ def gluon_fp8_config(m: int, n: int, k: int, sms: int = 132, groups: int = 1) ->
     split = 1
     while tiles * split < 2 * sms and split * 2 <= min(8, (k // BK) // 2):
         split *= 2
+    # Split K: up to 16 rows the tile's last program adds the partials (one launch); above, the partials of a tile
+    # (up to 8 x 64 x 128 fp32) are too many for one program: a second kernel adds them over the whole device
+    # (measured on the H200 at 1 and 64 rows, benchmarks/README.md).
+    cfg["FIXUP"] = bt <= 16
     cfg["SPLIT"] = split
     return cfg
 
@@ -285,15 +309,19 @@ def gluon_fp8_block_gemm(
     if (n // groups) % (64 * wg):
         raise ValueError(f"WG={wg} needs N / groups = {n // groups} to be a multiple of {64 * wg}")
     _, split, k_per_split = split_k({"BK": BK, "SPLIT": cfg.get("SPLIT", 1)}, k)
-    target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    fixup = split > 1 and cfg.get("FIXUP", bt <= 16)
     xi = x.view(torch.int32)
     wi = w.view(torch.int32)
     si = s.view(torch.int32)
-    _fp8_gemm_gluon_kernel[(n // (64 * wg), triton.cdiv(m, bt), split)](
+    grid = (n // (64 * wg), triton.cdiv(m, bt), split)
+    _fp8_gemm_gluon_kernel[grid](
         xi,
         wi,
         si,
-        target,
+        part if split > 1 and not fixup else out,
+        part,
+        split_counters(x.device, grid[0] * grid[1]) if fixup else part,
         m,
         n,
         k,
@@ -310,9 +338,10 @@ def gluon_fp8_block_gemm(
         SPLIT=split,
         OUT_BF16=out.dtype == torch.bfloat16,
         ASYNC=cfg.get("ASYNC", False),
+        FIXUP=fixup,
         num_warps=4 * wg,
         maxnreg=cfg.get("MAXNREG"),
     )
-    if split > 1:
-        splitk_reduce(target, out)
+    if split > 1 and not fixup:
+        splitk_reduce(part, out)
     return out

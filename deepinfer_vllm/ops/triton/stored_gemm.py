@@ -25,8 +25,9 @@ representable (checked).
 Layout as ``ops/triton/fp8_gemm.py`` (whose helpers it imports): the tile is computed
 transposed, ``acc[BN, BM] = W_tile @ x_tile.T``, so the weight, split in registers, is the
 MMA's A operand and a small batch is the narrow side; small M splits K over programs into an
-fp32 workspace that ``splitk_reduce`` adds in a fixed order (deterministic, no atomics);
-output rounded once, on the bits. Tile and split from shapes only; no host synchronisation
+fp32 workspace added in a fixed order (deterministic: by each tile's last program up to
+``splitk.FIXUP_ROWS`` rows, ``split_fixup``, else by ``splitk_reduce``); output rounded once,
+on the bits. Tile and split from shapes only; no host synchronisation
 (capturable in a CUDA graph). Triton's interpreter multiplies the bf16 parts as fp32 (exact).
 """
 
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.triton.fp8_gemm import gemm_output, pick_config, store_tile
-from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, splitk_reduce
+from deepinfer_vllm.ops.triton.splitk import FIXUP_ROWS, OUT_KINDS, sm_count, split_counters, split_k, splitk_reduce
 
 __all__ = ["bf16x3", "dot_bf16", "split_bf16x3", "stored_config", "stored_gemm", "widen_bf16"]
 
@@ -120,6 +121,8 @@ def _stored_gemm_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    part_ptr,  # SPLIT > 1: fp32 partials [SPLIT, M, N], added by each tile's last program
+    counter_ptr,
     M,
     N,
     K,
@@ -130,7 +133,7 @@ def _stored_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    SPLIT: tl.constexpr,  # > 1: write fp32 partials [SPLIT, M, N] to out_ptr
+    SPLIT: tl.constexpr,
     OUT_KIND: tl.constexpr,
     W_F32: tl.constexpr,  # fp32 weight: three bf16 dots (hi, mid, lo), else one
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
@@ -160,7 +163,8 @@ def _stored_gemm_kernel(
         else:
             acc = dot_bf16(w, xt, acc, F32_DOT)
     omask = n_mask[:, None] & m_mask[None, :]
-    store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND, part_ptr, counter_ptr, tile)
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -221,12 +225,15 @@ def stored_gemm(
         dict(config) if config else stored_config(m, n, k, w_fp32, sms=sm_count(x.device)), k
     )
     kind = OUT_KINDS[out.dtype]
-    target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    fixup = split > 1 and cfg["BM"] <= FIXUP_ROWS
     _stored_gemm_kernel[grid](
         x,
         weight,
-        target.view(torch.int16) if (split == 1 and kind == 1) else target,
+        part if split > 1 and not fixup else (out.view(torch.int16) if kind == 1 else out),
+        part,
+        split_counters(x.device, grid[0] * grid[1]) if fixup else None,
         m,
         n,
         k,
@@ -240,6 +247,6 @@ def stored_gemm(
         F32_DOT=_INTERPRET,
         **cfg,
     )
-    if split > 1:
-        splitk_reduce(target, out)
+    if split > 1 and not fixup:
+        splitk_reduce(part, out)
     return out
