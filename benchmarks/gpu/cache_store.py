@@ -62,7 +62,8 @@ def _pool_rows(device: str, dim: int = 512) -> list[Row]:
     the ring (the decode case), then the ring write."""
     rows = []
     for n in COUNTS:
-        step = torch.randn(n, 2 * dim, device=device)
+        u = torch.randn(n, dim, device=device)
+        g = torch.randn(n, dim, device=device)
         ring = torch.randn(n, 4, 2 * dim, device=device)
         table = torch.randperm(n, device=device).to(torch.int32).view(n, 1)
         req = torch.arange(n, device=device)
@@ -70,15 +71,15 @@ def _pool_rows(device: str, dim: int = 512) -> list[Row]:
         seq = pos + 1
 
         def kernels():
-            pool_pairs(step, ring, table, req, pos, pos, torch.bfloat16)
-            ring_write(ring, table, req, pos, seq, step)
+            pool_pairs(u, g, ring, table, req, pos, pos, torch.bfloat16)
+            ring_write(ring, table, req, pos, seq, u, g)
 
         def reference():
-            first = step_pair_rows(step, ring, table, req, pos, pos)
-            pair_u = torch.stack([first[:, :dim], step[:, :dim]], dim=1).flatten(0, 1)
-            pair_g = torch.stack([first[:, dim:], step[:, dim:]], dim=1).flatten(0, 1)
+            first = step_pair_rows(u, g, ring, table, req, pos, pos)
+            pair_u = torch.stack([first[:, :dim], u], dim=1).flatten(0, 1)
+            pair_g = torch.stack([first[:, dim:], g], dim=1).flatten(0, 1)
             pool_ratio2(pair_u, pair_g, torch.float32).to(torch.bfloat16)
-            ring_write_reference(ring, table, req, pos, seq, step)
+            ring_write_reference(ring, table, req, pos, seq, u, g)
 
         t = time_s(kernels)
         t_ref = time_s(reference, graph=False)

@@ -60,12 +60,12 @@ class StoreRecords(KernelOp):
 
 class PoolPairs(KernelOp):
     """The ratio-2 latents of the pairs a step's tokens close, and the compressor ring kept:
-    ``op(rows, ring, block_table, req, pos, context_lens, seq_lens, out_dtype) -> (latents, req,
+    ``op(u, g, ring, block_table, req, pos, context_lens, seq_lens, out_dtype) -> (latents, req,
     entry, keep)``.
 
-    ``rows [T, 2 * D]`` are the step's fp32 ``[u | g]`` rows, ``ring [num_blocks, capacity, 2 * D]``
-    the earlier steps' rows (request ``r``'s in block ``block_table[r, 0]``, at ``position %
-    capacity``); a token at an odd position closes the pair ``(pos - 1, pos)``, whose first row is
+    ``u``, ``g [T, D]`` are the step's fp32 compressor rows, ``ring [num_blocks, capacity, 2 * D]``
+    the earlier steps' rows ``[u | g]`` (request ``r``'s in block ``block_table[r, 0]``, at
+    ``position % capacity``); a token at an odd position closes the pair ``(pos - 1, pos)``, whose first row is
     the step's previous row or the ring's (``compressor.step_pair_rows``). Each latent is
     ``pool_ratio2`` of its pair rounded to ``out_dtype``; the caller stores row ``i`` as entry
     ``entry[i]`` of request row ``req[i]`` unless ``keep[i]`` is False. Then each request's rows
@@ -82,7 +82,8 @@ class PoolPairs(KernelOp):
 
     def forward_native(
         self,
-        rows: torch.Tensor,
+        u: torch.Tensor,
+        g: torch.Tensor,
         ring: torch.Tensor,
         block_table: torch.Tensor,
         req: torch.Tensor,
@@ -91,18 +92,19 @@ class PoolPairs(KernelOp):
         seq_lens: torch.Tensor,
         out_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        first = step_pair_rows(rows, ring, block_table, req, pos, context_lens)
+        first = step_pair_rows(u, g, ring, block_table, req, pos, context_lens)
         closes = (pos % 2) == 1
-        d = rows.shape[-1] // 2
-        pair_u = torch.stack([first[closes, :d], rows[closes, :d]], dim=1)
-        pair_g = torch.stack([first[closes, d:], rows[closes, d:]], dim=1)
+        d = u.shape[-1]
+        pair_u = torch.stack([first[closes, :d], u[closes]], dim=1)
+        pair_g = torch.stack([first[closes, d:], g[closes]], dim=1)
         lat = pool_ratio2(pair_u.flatten(0, 1), pair_g.flatten(0, 1), acc_dtype(out_dtype)).to(out_dtype)
-        ring_write_reference(ring, block_table, req, pos, seq_lens, rows)
+        ring_write_reference(ring, block_table, req, pos, seq_lens, u, g)
         return lat, req[closes], pos[closes] // 2, None
 
     def forward_triton(
         self,
-        rows: torch.Tensor,
+        u: torch.Tensor,
+        g: torch.Tensor,
         ring: torch.Tensor,
         block_table: torch.Tensor,
         req: torch.Tensor,
@@ -113,9 +115,8 @@ class PoolPairs(KernelOp):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         from deepinfer_vllm.ops.triton.cache_store import pool_pairs, ring_write
 
-        rows = rows.contiguous()
-        lat, entry, closes = pool_pairs(rows, ring, block_table, req, pos, context_lens, out_dtype)
-        ring_write(ring, block_table, req, pos, seq_lens, rows)
+        lat, entry, closes = pool_pairs(u, g, ring, block_table, req, pos, context_lens, out_dtype)
+        ring_write(ring, block_table, req, pos, seq_lens, u, g)
         return lat, req, entry, closes
 
 

@@ -70,17 +70,19 @@ def pool_ratio2(u: torch.Tensor, g: torch.Tensor, acc: torch.dtype = torch.float
 
 
 def step_pair_rows(
-    rows: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
     ring: torch.Tensor,
     block_table: torch.Tensor,
     req: torch.Tensor,
     pos: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> torch.Tensor:
-    """Each token's pair's first row ``[T, 2 * D]``: the step's previous row when position
-    ``pos - 1`` is in this step (``>= context_lens[req]``; a request's tokens are consecutive),
-    else row ``(pos - 1) % capacity`` of the ring ``[num_blocks, capacity, 2 * D]`` block
-    ``block_table[req, 0]`` (rows of earlier steps, kept by ``ring_write_reference``)."""
+    """Each token's pair's first row ``[T, 2 * D]`` laid out ``[u | g]``: the step's previous row
+    when position ``pos - 1`` is in this step (``>= context_lens[req]``; a request's tokens are
+    consecutive), else row ``(pos - 1) % capacity`` of the ring ``[num_blocks, capacity, 2 * D]``
+    block ``block_table[req, 0]`` (rows of earlier steps, kept by ``ring_write_reference``)."""
+    rows = torch.cat([u, g], dim=-1)
     prev = (torch.arange(rows.shape[0], device=rows.device) - 1).clamp_min(0)
     in_step = (pos - 1) >= context_lens[req]
     back = (pos - 1).clamp_min(0) % ring.shape[1]
@@ -94,14 +96,16 @@ def ring_write_reference(
     req: torch.Tensor,
     pos: torch.Tensor,
     seq_lens: torch.Tensor,
-    rows: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
 ) -> None:
-    """Keep each request's rows of its last ``capacity`` positions in its ring at ``pos %
-    capacity`` (older rows of a long chunk would collide there)."""
+    """Keep each request's rows ``[u | g]`` of its last ``capacity`` positions in its ring at
+    ``pos % capacity`` (older rows of a long chunk would collide there)."""
     cap = ring.shape[1]
     recent = pos >= seq_lens[req] - cap
+    rows = torch.cat([u[recent], g[recent]], dim=-1)
     req, pos = req[recent], pos[recent]
-    ring[block_table[req, 0].long(), (pos % cap).long()] = rows[recent].to(ring.dtype)
+    ring[block_table[req, 0].long(), (pos % cap).long()] = rows.to(ring.dtype)
 
 
 def compressor_finalize(v: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:

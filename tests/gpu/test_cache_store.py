@@ -285,6 +285,11 @@ def _pool_reference(first: torch.Tensor, second: torch.Tensor, dtype: torch.dtyp
     return pool_ratio2(pair_u, pair_g, acc_dtype(dtype)).to(dtype)
 
 
+def _halves(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = rows.shape[1] // 2
+    return rows[:, :d], rows[:, d:]  # strided views of one buffer, as the kernels accept
+
+
 def _in_step(first: torch.Tensor, second: torch.Tensor):
     """One request of ``2n`` tokens from position 0: token ``2j + 1`` closes ``(first[j], second[j])``."""
     n, w = first.shape
@@ -295,7 +300,7 @@ def _in_step(first: torch.Tensor, second: torch.Tensor):
     req = torch.zeros(2 * n, dtype=torch.int64, device=dev)
     pos = torch.arange(2 * n, device=dev)
     ctx = torch.zeros(1, dtype=torch.int32, device=dev)
-    return rows, ring, table, req, pos, ctx
+    return (*_halves(rows), ring, table, req, pos, ctx)
 
 
 def _from_ring(first: torch.Tensor, second: torch.Tensor, seed: int, cap: int = 4):
@@ -308,7 +313,8 @@ def _from_ring(first: torch.Tensor, second: torch.Tensor, seed: int, cap: int = 
     ring = torch.full((n + 2, cap, w), float("nan"), device=dev)
     ring[table[:, 0].long(), (pos - 1) % cap] = first
     req = torch.arange(n, device=dev).to(torch.int32)
-    return second, ring, table, req, pos, pos.to(torch.int32)
+    u, gate = (h.contiguous() for h in _halves(second))
+    return u, gate, ring, table, req, pos, pos.to(torch.int32)
 
 
 @pytest.mark.parametrize("n", shapes([1, 5, 37], [4096, 16384]))
@@ -322,9 +328,9 @@ def test_pool_pairs_bit_exact(device, same_device_exp, n, dim, dtype):
     want = _pool_reference(first, second, dtype)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for step in (_in_step(first, second), _from_ring(first, second, n)):
-        rows, pos = step[0], step[4]
+        u, pos = step[0], step[5]
         got, entry, closes = pool_pairs(*step, dtype)
-        assert got.dtype == dtype and got.shape == (rows.shape[0], dim)
+        assert got.dtype == dtype and got.shape == (u.shape[0], dim)
         assert torch.equal(entry, pos // 2) and torch.equal(closes, pos % 2 == 1)
         got = got[closes]
         diff = (got.view(bits) != want.view(bits)).nonzero()
@@ -347,10 +353,10 @@ def test_ring_write_keeps_each_requests_last_rows(device):
     rows = torch.randn(req.numel(), w, generator=g)
     ring = torch.randn(6, cap, w, generator=g)
     want = ring.clone()
-    ring_write_reference(want, table, req, pos, seq, rows)
-    args = [t.to(device) for t in (table, req, pos, seq, rows)]
+    ring_write_reference(want, table, req, pos, seq, *_halves(rows))
+    args = [t.to(device) for t in (table, req, pos, seq)]
     got = ring.to(device)
-    ring_write(got, *args)
+    ring_write(got, *args, *_halves(rows.to(device)))
     assert torch.equal(got.cpu(), want)
     assert torch.equal(want[1, 1], rows[3 + 5])  # request 1 (rows 3..11), position 5: one of its last 4
     assert torch.equal(want[3], ring[3]) and torch.equal(want[5], ring[5])
@@ -358,22 +364,17 @@ def test_ring_write_keeps_each_requests_last_rows(device):
 
 def test_pool_pairs_strided_rows_and_errors(device, same_device_exp):
     first, second = _pair_rows(9, 64, 3)
-    wide = torch.zeros(18, 3, 128)
-    step = list(_in_step(first, second))
-    wide[:, 1] = step[0]
-    step[0] = wide[:, 1].to(device)  # rows of a wider buffer: row stride 384
-    step = [t.to(device) for t in step]
+    step = [t.to(device) for t in _in_step(first, second)]  # u, g: strided halves (row stride 256)
     got, _, closes = pool_pairs(*step, torch.bfloat16)
     want = _pool_reference(first, second, torch.bfloat16).to(device)
     assert torch.equal(got[closes].view(torch.int16), want.view(torch.int16))
-    empty = [t[:0] if t.dim() == 1 and t.numel() == 18 else t for t in step]
-    empty[0] = step[0][:0]
+    empty = [step[0][:0], step[1][:0], step[2], step[3], step[4][:0], step[5][:0], step[6]]
     assert pool_pairs(*empty, torch.bfloat16)[0].shape == (0, 64)
     with pytest.raises(TypeError, match="out_dtype"):
         pool_pairs(*step, torch.float16)
     with pytest.raises(ValueError, match="fp32"):
         pool_pairs(step[0].double(), *step[1:], torch.bfloat16)
     with pytest.raises(ValueError, match="ring"):
-        pool_pairs(step[0], step[1][..., :64], *step[2:], torch.bfloat16)
+        pool_pairs(step[0], step[1], step[2][..., :32], *step[3:], torch.bfloat16)
     with pytest.raises(ValueError, match="pos must be"):
-        pool_pairs(*step[:4], step[4][:3], step[5], torch.bfloat16)
+        pool_pairs(*step[:5], step[5][:3], step[6], torch.bfloat16)

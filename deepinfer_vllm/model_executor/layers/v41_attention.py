@@ -286,10 +286,9 @@ class V41Attention(nn.Module):
         else:
             u = linear(comp.wkv, x, torch.float32)
             g = linear(comp.wgate, x, torch.float32)
-            rows = torch.cat([u, g], dim=-1)
             ring = RingView(self.ring_cache, state)
             lat, entry_req, entry, keep = self.pool_pairs(
-                rows, ring.rows, ring.meta.block_table, req, pos, state.context_lens, state.seq_lens, x.dtype
+                u, g, ring.rows, ring.meta.block_table, req, pos, state.context_lens, state.seq_lens, x.dtype
             )
             if lat.shape[0] == 0:
                 return

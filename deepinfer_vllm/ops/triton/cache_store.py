@@ -361,7 +361,8 @@ def store_records(
 
 @triton.jit
 def _pool_pairs_kernel(
-    rows_ptr,
+    u_ptr,
+    g_ptr,
     ring_ptr,
     table_ptr,
     req_ptr,
@@ -371,7 +372,8 @@ def _pool_pairs_kernel(
     entry_ptr,
     keep_ptr,
     n,
-    rows_stride,
+    u_stride,
+    g_stride,
     table_stride,
     ring_block_stride,
     ring_row_stride,
@@ -396,13 +398,13 @@ def _pool_pairs_kernel(
     m_step = (live & in_step)[:, None] & cm
     m_ring = (live & (in_step == 0))[:, None] & cm
     mask = live[:, None] & cm
-    f_step = rows_ptr + (r - 1)[:, None] * rows_stride + c[None, :]
+    u_row = u_ptr + r[:, None] * u_stride + c[None, :]
+    g_row = g_ptr + r[:, None] * g_stride + c[None, :]
     f_ring = ring_ptr + (blk * ring_block_stride + back * ring_row_stride)[:, None] + c[None, :]
-    s = rows_ptr + r[:, None] * rows_stride + c[None, :]
-    u0 = tl.where(m_step, tl.load(f_step, mask=m_step, other=0.0), tl.load(f_ring, mask=m_ring, other=0.0))
-    g0 = tl.where(m_step, tl.load(f_step + D, mask=m_step, other=0.0), tl.load(f_ring + D, mask=m_ring, other=0.0))
-    u1 = tl.load(s, mask=mask, other=0.0)
-    g1 = tl.load(s + D, mask=mask, other=0.0)
+    u0 = tl.where(m_step, tl.load(u_row - u_stride, mask=m_step, other=0.0), tl.load(f_ring, mask=m_ring, other=0.0))
+    g0 = tl.where(m_step, tl.load(g_row - g_stride, mask=m_step, other=0.0), tl.load(f_ring + D, mask=m_ring, other=0.0))
+    u1 = tl.load(u_row, mask=mask, other=0.0)
+    g1 = tl.load(g_row, mask=mask, other=0.0)
     if ACC_FP64:
         u0 = u0.to(tl.float64)
         g0 = g0.to(tl.float64)
@@ -428,20 +430,22 @@ def _pool_pairs_kernel(
 
 @triton.jit
 def _ring_write_kernel(
-    rows_ptr,
+    u_ptr,
+    g_ptr,
     ring_ptr,
     table_ptr,
     req_ptr,
     pos_ptr,
     seq_ptr,
     n,
-    rows_stride,
+    u_stride,
+    g_stride,
     table_stride,
     ring_block_stride,
     ring_row_stride,
     CAP: tl.constexpr,
-    W: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """Row ``r`` into its request's ring at ``pos % CAP`` when it is among the request's last
@@ -452,33 +456,37 @@ def _ring_write_kernel(
     q = tl.load(req_ptr + r, mask=live, other=0).to(tl.int64)
     live = live & (p >= tl.load(seq_ptr + q, mask=live, other=0).to(tl.int64) - CAP)
     blk = tl.load(table_ptr + q * table_stride, mask=live, other=0).to(tl.int64)
-    c = tl.arange(0, BLOCK_W)
-    mask = live[:, None] & (c < W)[None, :]
-    v = tl.load(rows_ptr + r[:, None] * rows_stride + c[None, :], mask=mask)
-    tl.store(ring_ptr + (blk * ring_block_stride + (p % CAP) * ring_row_stride)[:, None] + c[None, :], v, mask=mask)
+    c = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (c < D)[None, :]
+    dst = ring_ptr + (blk * ring_block_stride + (p % CAP) * ring_row_stride)[:, None] + c[None, :]
+    tl.store(dst, tl.load(u_ptr + r[:, None] * u_stride + c[None, :], mask=mask), mask=mask)
+    tl.store(dst + D, tl.load(g_ptr + r[:, None] * g_stride + c[None, :], mask=mask), mask=mask)
 
 
-def _check_step(rows, ring, block_table, req, pos, lens) -> None:
-    if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] % 2:
-        raise ValueError(f"rows must be fp32 [T, 2*D] laid out [u | g], got {tuple(rows.shape)} {rows.dtype}")
-    if ring.dim() != 3 or ring.dtype != torch.float32 or ring.shape[2] != rows.shape[1]:
+def _check_step(u, g, ring, block_table, req, pos, lens) -> None:
+    if u.dim() != 2 or u.shape != g.shape or u.dtype != torch.float32 or g.dtype != torch.float32:
+        raise ValueError(f"u and g must be fp32 [T, D], got {tuple(u.shape)} {u.dtype}, {tuple(g.shape)} {g.dtype}")
+    if ring.dim() != 3 or ring.dtype != torch.float32 or ring.shape[2] != 2 * u.shape[1]:
         got = f"{tuple(ring.shape)} {ring.dtype}"
-        raise ValueError(f"ring must be fp32 [num_blocks, capacity, {rows.shape[1]}], got {got}")
-    n = rows.shape[0]
+        raise ValueError(f"ring must be fp32 [num_blocks, capacity, {2 * u.shape[1]}] ([u | g]), got {got}")
+    n = u.shape[0]
     for label, t in (("req", req), ("pos", pos)):
         if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{label} must be int32/int64 [{n}], got {tuple(t.shape)} {t.dtype}")
     if block_table.dim() != 2 or lens.dim() != 1:
-        raise ValueError(f"block_table [R, W] and lengths [R] expected, got {tuple(block_table.shape)}, {tuple(lens.shape)}")
-    if rows.stride(1) != 1 or ring.stride(2) != 1:
-        raise ValueError(f"rows and ring rows must be contiguous, got strides {rows.stride()}, {ring.stride()}")
-    devices = {t.device for t in (rows, ring, block_table, req, pos, lens)}
+        got = f"{tuple(block_table.shape)}, {tuple(lens.shape)}"
+        raise ValueError(f"block_table [R, W] and lengths [R] expected, got {got}")
+    if u.stride(1) != 1 or g.stride(1) != 1 or ring.stride(2) != 1:
+        strides = f"{u.stride()}, {g.stride()}, {ring.stride()}"
+        raise ValueError(f"u, g and ring rows must be contiguous, got strides {strides}")
+    devices = {t.device for t in (u, g, ring, block_table, req, pos, lens)}
     if len(devices) != 1:
         raise ValueError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
 
 
 def pool_pairs(
-    rows: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
     ring: torch.Tensor,
     block_table: torch.Tensor,
     req: torch.Tensor,
@@ -488,20 +496,20 @@ def pool_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gated pooling of every token's ratio-2 pair: ``(latents [T, D], entry [T], closes [T])``.
 
-    ``rows [T, 2 * D]`` are the step's fp32 ``[u | g]`` rows (token ``t`` at position ``pos[t]`` of
-    request row ``req[t]``, a request's tokens consecutive); ``ring [num_blocks, capacity, 2 * D]``
-    holds earlier steps' rows, request ``r``'s in block ``block_table[r, 0]`` at ``position %
-    capacity``. The pair's first row is the step's previous row when position ``pos - 1 >=
+    ``u``, ``g [T, D]`` are the step's fp32 compressor rows (token ``t`` at position ``pos[t]`` of
+    request row ``req[t]``, a request's tokens consecutive; any row strides); ``ring [num_blocks,
+    capacity, 2 * D]`` holds earlier steps' rows laid out ``[u | g]``, request ``r``'s in block
+    ``block_table[r, 0]`` at ``position % capacity``. The pair's first row is the step's previous row when position ``pos - 1 >=
     context_lens[req]``, else the ring's. Latents are ``pool_ratio2`` of the pair rounded to
     ``out_dtype``: bf16 (fp32 arithmetic) or fp32 (fp64 arithmetic, as the reference does for fp32
     models); ``entry = pos // 2``; ``closes``: odd positions (the pairs that complete). Every
     token's pair is pooled, so sizes never depend on device values. Run before ``ring_write``.
     """
-    _check_step(rows, ring, block_table, req, pos, context_lens)
+    _check_step(u, g, ring, block_table, req, pos, context_lens)
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be bf16 (fp32 pooling) or fp32 (fp64 pooling), got {out_dtype}")
-    n, d = rows.shape[0], rows.shape[1] // 2
-    dev = rows.device
+    n, d = u.shape
+    dev = u.device
     out = torch.empty(n, d, dtype=out_dtype, device=dev)
     entry = torch.empty(n, dtype=torch.int64, device=dev)
     closes = torch.empty(n, dtype=torch.bool, device=dev)
@@ -511,7 +519,8 @@ def pool_pairs(
     rows_per = max(1, min(triton.next_power_of_2(n), 2048 // block_d))
     fp64 = out_dtype == torch.float32
     _pool_pairs_kernel[(triton.cdiv(n, rows_per),)](
-        rows,
+        u,
+        g,
         ring,
         block_table,
         req,
@@ -521,7 +530,8 @@ def pool_pairs(
         entry,
         closes.view(torch.uint8),
         n,
-        rows.stride(0),
+        u.stride(0),
+        g.stride(0),
         block_table.stride(0),
         ring.stride(0),
         ring.stride(1),
@@ -542,31 +552,34 @@ def ring_write(
     req: torch.Tensor,
     pos: torch.Tensor,
     seq_lens: torch.Tensor,
-    rows: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
 ) -> None:
-    """Store each request's rows of its last ``capacity`` positions (``pos >= seq_lens[req] -
-    capacity``) in its ring, at ``pos % capacity`` (``pool_pairs``' addressing)."""
-    _check_step(rows, ring, block_table, req, pos, seq_lens)
-    n, w = rows.shape
+    """Store each request's rows ``[u | g]`` of its last ``capacity`` positions (``pos >=
+    seq_lens[req] - capacity``) in its ring, at ``pos % capacity`` (``pool_pairs``' addressing)."""
+    _check_step(u, g, ring, block_table, req, pos, seq_lens)
+    n, d = u.shape
     if n == 0:
         return
-    block_w = triton.next_power_of_2(w)
-    rows_per = max(1, min(triton.next_power_of_2(n), 4096 // block_w))
+    block_d = triton.next_power_of_2(d)
+    rows_per = max(1, min(triton.next_power_of_2(n), 2048 // block_d))
     _ring_write_kernel[(triton.cdiv(n, rows_per),)](
-        rows,
+        u,
+        g,
         ring,
         block_table,
         req,
         pos,
         seq_lens,
         n,
-        rows.stride(0),
+        u.stride(0),
+        g.stride(0),
         block_table.stride(0),
         ring.stride(0),
         ring.stride(1),
         CAP=ring.shape[1],
-        W=w,
-        BLOCK_W=block_w,
+        D=d,
+        BLOCK_D=block_d,
         ROWS=rows_per,
         num_warps=4,
     )
