@@ -36,6 +36,7 @@ __all__ = [
     "GroupedExpertGemm",
     "Groups",
     "MoeRouter",
+    "SwiGlu",
     "stable_topk_indices",
     "route_sqrtsoftplus",
     "sqrtsoftplus_select",
@@ -347,3 +348,40 @@ class ExpertSum(_Bf16Kernels):
             if position is None:
                 y = groups.in_pair_order(y)
         return self.kernels.expert_sum(y, ids, dtype, position)
+
+
+class SwiGlu(_Bf16Kernels):
+    """The experts' clamped SwiGLU, optionally times each row's routing weight, rounded once to
+    ``out_dtype``: ``(swiglu_clamped(gate, up, limit) * row_weight[:, None]).to(out_dtype)`` (the
+    weight cast to the fp32 activation's dtype first), or one Triton launch reading ``gate`` and
+    ``up`` through their strides (``ops/triton/swiglu.py``: bit-exact on the GPU). Gate/up of
+    dtypes other than bf16/fp16 (or of two dtypes), or other output dtypes, keep the reference."""
+
+    name = "moe_swiglu"
+    kernel_modules = {"triton": "deepinfer_vllm.ops.triton.swiglu"}
+
+    def forward_native(
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        limit: float | None,
+        row_weight: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        act = swiglu_clamped(gate, up, limit)
+        if row_weight is not None:
+            act = act * row_weight.to(act.dtype).unsqueeze(-1)
+        return act.to(out_dtype)
+
+    def forward_triton(
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        limit: float | None,
+        row_weight: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        k = self.kernels
+        if gate.dtype != up.dtype or gate.dtype not in k.IN_DTYPES or out_dtype not in k.OUT_DTYPES:
+            return self.forward_native(gate, up, limit, row_weight, out_dtype)
+        return self.kernels.swiglu(gate, up, limit, row_weight, out_dtype)

@@ -43,8 +43,8 @@ from deepinfer_vllm.ops.moe import (
     ExpertSum,
     GroupedExpertGemm,
     MoeRouter,
+    SwiGlu,
     expert_choices,
-    swiglu_clamped,
 )
 from deepinfer_vllm.ops.numerics import acc_dtype
 from deepinfer_vllm.ops.weight_gemm import Fp4RowsGemm
@@ -81,10 +81,10 @@ class SharedExpert(nn.Module):
                 ),
             )
         self.w2 = V41RowParallelLinear(inter, hidden, quant_config=quant_config, prefix=f"{prefix}.w2")
+        self.swiglu = SwiGlu(*built_for())
 
     def forward(self, x: torch.Tensor, limit: float) -> torch.Tensor:
-        act = swiglu_clamped(self.w1(x), self.w3(x), limit)
-        return self.w2(act.to(x.dtype))
+        return self.w2(self.swiglu(self.w1(x), self.w3(x), limit, out_dtype=x.dtype))
 
 
 class RoutedExperts(nn.Module):
@@ -137,6 +137,7 @@ class RoutedExperts(nn.Module):
         # Grouping and the sums over a token's experts (reference or Triton kernels, ops.moe).
         self.grouping = ExpertGrouping(device, dtype)
         self.expert_sum = ExpertSum(device, dtype)
+        self.swiglu = SwiGlu(device, dtype)  # clamped SwiGLU times the routing weight, rounded once
         if self.balanced:
             start = initial_placement(1, n_experts, self.n_physical)
             # Logical expert of each slot (the balancer keeps it current; loading reads it).
@@ -216,9 +217,8 @@ class RoutedExperts(nn.Module):
 
     def _expert(self, i: int, x: torch.Tensor, row_w: torch.Tensor, limit: float, out_dtype) -> torch.Tensor:
         gate, up = self.expert_gemm(x, self.w13[i], self.w13_scale[i]).split(self.width, dim=-1)
-        act = swiglu_clamped(gate, up, limit)
-        act = act * row_w.to(act.dtype).unsqueeze(-1)
-        return self.expert_gemm(act.to(x.dtype), self.w2[i], self.w2_scale[i], out_dtype)
+        act = self.swiglu(gate, up, limit, row_w, x.dtype)
+        return self.expert_gemm(act, self.w2[i], self.w2_scale[i], out_dtype)
 
     def partial(
         self,
@@ -268,9 +268,9 @@ class RoutedExperts(nn.Module):
         gemm = self.grouped_gemm
         gate_up = gemm(x[groups.rows], groups.offsets, self.w13, self.w13_scale, x.dtype)
         gate, up = gate_up.split(self.width, dim=-1)
-        act = swiglu_clamped(gate, up, limit) * groups.weights.to(acc).unsqueeze(-1)
+        act = self.swiglu(gate, up, limit, groups.weights, x.dtype)
         # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero.
-        down = gemm(act.to(x.dtype), groups.offsets, self.w2, self.w2_scale, acc if self.split else x.dtype)
+        down = gemm(act, groups.offsets, self.w2, self.w2_scale, acc if self.split else x.dtype)
         if self.split or self.per_pair:
             per_pair = groups.in_pair_order(down)
             return per_pair if self.split else per_pair.to(acc)
