@@ -229,19 +229,20 @@ def moe_forward(
 
 class GroupedExpertGemm(ActivationsGemm):
     """The routed experts' grouped packed-E2M1 GEMM, ``grouped_fp4_gemm(x, offsets, weight,
-    scale, out_dtype)``: rows ``offsets[e]:offsets[e+1]`` of ``x`` times expert ``e``'s
-    weight, zeros past ``offsets[-1]``. The reference (``ops.quant_gemm``, which reads the
+    scale, out_dtype, rows)``: rows ``offsets[e]:offsets[e+1]`` of ``x`` (of ``x[rows]`` when
+    ``rows`` is given: the kernels gather them as they load) times expert ``e``'s weight, zeros
+    past ``offsets[-1]``. The reference (``ops.quant_gemm``, which reads the
     offsets on the host) or the Triton kernel (``ops/triton/moe_gemm.py``, no host
     synchronisation). Activations as ``DEEPINFER_GEMM_ACTIVATIONS`` says, read when built."""
 
     name = "moe_grouped_gemm"
     kernel_modules = {"triton": "deepinfer_vllm.ops.triton.moe_gemm"}
 
-    def forward_native(self, x, offsets, weight, scale, out_dtype=None):
-        return quant_gemm.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)
+    def forward_native(self, x, offsets, weight, scale, out_dtype=None, rows=None):
+        return quant_gemm.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype, rows=rows)
 
-    def forward_triton(self, x, offsets, weight, scale, out_dtype=None):
-        return self.kernels.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype)
+    def forward_triton(self, x, offsets, weight, scale, out_dtype=None, rows=None):
+        return self.kernels.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype, rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,9 +70,12 @@ def grouped_fp4_gemm(
     scale: Tensor,
     act: str = "bf16",
     out_dtype: torch.dtype | None = None,
+    *,
+    rows: Tensor | None = None,
 ) -> Tensor:
-    """Rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` times expert ``e``'s
-    decoded ``W_e.T`` (``weight [E, N, K/2]``, ``scale [E, N, K/32]``) -> ``[R, N]``.
+    """Rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` (with ``rows [R]``: of
+    ``x[rows]``) times expert ``e``'s decoded ``W_e.T`` (``weight [E, N, K/2]``, ``scale
+    [E, N, K/32]``) -> ``[R, N]``.
 
     ``expert_offsets`` is ``[E+1]``, ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R``; rows past
     ``offsets[-1]`` are zero. Same accumulation and rounding as ``fp8_block_gemm``.
@@ -80,6 +83,8 @@ def grouped_fp4_gemm(
     e_count, n, kh = weight.shape
     k = 2 * kh
     _check_x(x, k)
+    if rows is not None:
+        x = x[rows]
     if expert_offsets.shape != (e_count + 1,):
         raise ValueError(f"expert_offsets must be [{e_count + 1}], got {tuple(expert_offsets.shape)}")
     offs = [int(v) for v in expert_offsets.tolist()]

@@ -174,6 +174,34 @@ def test_moe_gemm_cuda_graph(device, act, r):
         assert torch.equal(out_static.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("cfg", [None, *range(1, len(CONFIGS)), "gluon8", "gluon16s4", "gluon32s2"])
+def test_moe_gemm_gathers_rows(device, act, cfg):
+    """``rows``: each grouped row reads ``x[rows[i]]`` as the tiles load it (the MoE layer's tokens,
+    each routed to several experts, never copied into grouped order): bit-equal to the same call on
+    ``x[rows]``, Triton and Gluon kernels, with and without split K."""
+    gluon = {"gluon8": dict(BT=8, SPLIT=1), "gluon16s4": dict(BT=16, SPLIT=4), "gluon32s2": dict(BT=32, SPLIT=2)}
+    e, n, k, t, top_k = 6, 64, 256, 13, 3
+    w, s = make_experts(e, n, k, seed=31, device=device)
+    x = make_x(t, k, seed=32, device=device)
+    if isinstance(cfg, str) and (INTERPRET or not gluon_moe_supported(x, w.view(torch.uint8), 1)):
+        pytest.skip("Gluon kernels need an sm90 GPU")
+    config = gluon[cfg] if isinstance(cfg, str) else (CONFIGS[cfg] if cfg else None)
+    r = t * top_k
+    rows = torch.randperm(r, generator=torch.Generator().manual_seed(33)).to(device) // top_k
+    offs = make_offsets(e, r, seed=34, device=device, tail=2)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = grouped_fp4_gemm(x[rows], offs, w, s, act, out_dtype, config=config)
+        poison_(torch.empty(r, n, dtype=out_dtype, device=device))
+        got = grouped_fp4_gemm(x, offs, w, s, act, out_dtype, rows=rows, config=config)
+        assert got.shape == (r, n)
+        assert torch.equal(got, want)
+    ref = quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32, rows=rows)
+    assert torch.equal(ref, quant_gemm.grouped_fp4_gemm(x[rows], offs, w, s, act, torch.float32))
+    with pytest.raises(ValueError, match="rows must be"):
+        grouped_fp4_gemm(x, offs, w, s, act, rows=rows.float())
+
+
 GLUON_CONFIGS = [
     dict(BT=8, SPLIT=1, MAXNREG=96),
     dict(BT=16, SPLIT=4, NS=3, MAXNREG=96),

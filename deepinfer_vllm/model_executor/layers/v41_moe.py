@@ -266,7 +266,7 @@ class RoutedExperts(nn.Module):
         acc = acc_dtype(x.dtype)
         groups = self.grouping(ids, self.local, weights)
         gemm = self.grouped_gemm
-        gate_up = gemm(x[groups.rows], groups.offsets, self.w13, self.w13_scale, x.dtype)
+        gate_up = gemm(x, groups.offsets, self.w13, self.w13_scale, x.dtype, rows=groups.rows)
         gate, up = gate_up.split(self.width, dim=-1)
         act = self.swiglu(gate, up, limit, groups.weights, x.dtype)
         # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero.

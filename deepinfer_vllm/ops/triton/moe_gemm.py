@@ -41,13 +41,13 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_grouped_fp4_gemm, gluon_moe_supported
 from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, splitk_reduce, store_out
 
-__all__ = ["check_grouped_args", "grouped_fp4_gemm", "moe_config"]
+__all__ = ["check_grouped_args", "check_rows", "grouped_fp4_gemm", "moe_config"]
 
 
 def _use_gluon(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, e_count: int) -> bool:
     """Decode-sized row tiles (at most 64 rows per expert on average) on sm90 go to the Gluon kernel
     (``moe_gemm_gluon``); prefill and other devices stay here."""
-    rows_per_expert = triton.cdiv(x.shape[0], e_count)
+    rows_per_expert = triton.cdiv(out.shape[0], e_count)
     return out.dtype in (torch.float32, torch.bfloat16) and gluon_moe_supported(x, w, rows_per_expert)
 
 
@@ -120,6 +120,7 @@ def e2m1_bf16_scaled(packed, s, ASM: tl.constexpr):
 @triton.jit
 def _moe_gemm_kernel(
     x_ptr,
+    rows_ptr,  # GATHER: the row of x each grouped row reads
     w_ptr,
     ws_ptr,
     off_ptr,
@@ -144,6 +145,7 @@ def _moe_gemm_kernel(
     OUT_KIND: tl.constexpr,
     ASM: tl.constexpr,
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
+    GATHER: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -169,6 +171,7 @@ def _moe_gemm_kernel(
     for t in range(pid_m, end, grid_m):
         _moe_tile(
             x_ptr,
+            rows_ptr,
             w_ptr,
             ws_ptr,
             off_ptr,
@@ -201,12 +204,14 @@ def _moe_gemm_kernel(
             OUT_KIND,
             ASM,
             F32_DOT,
+            GATHER,
         )
 
 
 @triton.jit
 def _moe_tile(
     x_ptr,
+    rows_ptr,
     w_ptr,
     ws_ptr,
     off_ptr,
@@ -239,6 +244,7 @@ def _moe_tile(
     OUT_KIND: tl.constexpr,
     ASM: tl.constexpr,
     F32_DOT: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """Row tile ``t``: expert tile ``t`` when ``t < total``, else (SPLIT == 1) zeros for row
     tile ``t - total`` past offsets[E]."""
@@ -255,9 +261,11 @@ def _moe_tile(
         ws_rows = ws_ptr + e.to(tl.int64) * stride_wse + offs_n.to(tl.int64)[:, None] * stride_wsn
         # x as int32 pairs: bf16 x[2j] in the low half, x[2j + 1] in the high half (packed byte j's
         # low and high nibble), so the low nibbles multiply the even columns and the high ones the odd.
-        x_rows = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_m.to(tl.int64)[:, None] * (
-            stride_xm // 2
-        )
+        if GATHER:
+            src = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
+        else:
+            src = offs_m
+        x_rows = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + src.to(tl.int64)[:, None] * (stride_xm // 2)
         c = tl.arange(0, BKH)
         shift = (8 * (c // 16))[None, :]  # a byte's block scale within the row's NB scale bytes
         if NB == 4:
@@ -350,6 +358,18 @@ def check_grouped_args(
         )
 
 
+def check_rows(rows: torch.Tensor | None, x: torch.Tensor) -> int:
+    """The grouped rows' count: ``rows.shape[0]`` (int32/int64 ``[R]`` on x's device), else x's rows."""
+    if rows is None:
+        return x.shape[0]
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != x.device:
+        got = f"{rows.dtype} {tuple(rows.shape)} {rows.device}"
+        raise ValueError(f"rows must be int32/int64 [R] on {x.device}, got {got}")
+    if rows.stride(0) != 1:
+        raise ValueError("rows must be contiguous")
+    return rows.shape[0]
+
+
 def grouped_fp4_gemm(
     x: torch.Tensor,
     expert_offsets: torch.Tensor,
@@ -358,16 +378,19 @@ def grouped_fp4_gemm(
     act: str = "bf16",
     out_dtype: torch.dtype | None = None,
     *,
+    rows: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """``[R, N]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` times
-    expert ``e``'s ``W_e.T`` (``weight [E, N, K/2]`` int8/uint8 packed E2M1, ``scale
-    [E, N, K/32]`` UE8M0); zeros past ``expert_offsets[-1]``. ``expert_offsets`` int32/int64
-    ``[E+1]`` on x's device, ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R`` (not
-    checked: that would synchronise). ``config`` overrides the tile choice (tests, benchmarks)."""
+    """``[R, N]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` (or, with
+    ``rows [R]``, of ``x[rows]``, gathered as the tiles load them) times expert ``e``'s ``W_e.T``
+    (``weight [E, N, K/2]`` int8/uint8 packed E2M1, ``scale [E, N, K/32]`` UE8M0); zeros past
+    ``expert_offsets[-1]``. ``expert_offsets`` int32/int64 ``[E+1]`` on x's device,
+    ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R``; ``rows`` inside ``x`` (not checked:
+    that would synchronise). ``config`` overrides the tile choice (tests, benchmarks)."""
     e_count, n, _ = weight.shape
-    r, k = x.shape
+    k = x.shape[1]
     check_grouped_args(x, expert_offsets, weight, scale, act)
+    r = check_rows(rows, x)
     out = gemm_output(x, r, n, out_dtype)
     out_dtype = out.dtype
     if r == 0:
@@ -375,7 +398,7 @@ def grouped_fp4_gemm(
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
     if config is not None and "BT" in config or config is None and _use_gluon(xv, w, out, e_count):
-        return gluon_grouped_fp4_gemm(xv, expert_offsets, w, s, out, config=config)
+        return gluon_grouped_fp4_gemm(xv, expert_offsets, w, s, out, rows=rows, config=config)
     cfg = dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device))
     cfg["BK"] = tile_k(k, cfg["BK"])
     cfg, split, k_per_split = split_k(cfg, k)
@@ -390,6 +413,7 @@ def grouped_fp4_gemm(
     grid = (n_tiles, grid_m, split)
     _moe_gemm_kernel[grid](
         xv,
+        xv if rows is None else rows,
         w,
         s,
         offs,
@@ -411,6 +435,7 @@ def grouped_fp4_gemm(
         OUT_KIND=kind,
         ASM=not _INTERPRET,
         F32_DOT=_INTERPRET,
+        GATHER=rows is not None,
         **cfg,
     )
     if split > 1:

@@ -120,7 +120,8 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _moe_gemm_gluon_kernel(
-        x_ptr,  # int32 view of bf16 x [R, K]: column pairs
+        x_ptr,  # int32 view of bf16 x [R, K] (or [T, K] read through rows_ptr): column pairs
+        rows_ptr,  # GATHER: the row of x each grouped row reads
         w_ptr,  # int32 view of packed weights [E, N, K/8 words]
         ws_ptr,  # int32 view of scales [E, N, K/128 words]
         off_ptr,
@@ -142,6 +143,7 @@ if GLUON_AVAILABLE:
         NS: gl.constexpr,  # ring stages
         SPLIT: gl.constexpr,
         OUT_BF16: gl.constexpr,
+        GATHER: gl.constexpr,
     ):
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -213,9 +215,13 @@ if GLUON_AVAILABLE:
                     + (kt_lo * (_BK // 8) + w_c)[None, :]
                 )
                 tok = row0 + x_r
+                if GATHER:
+                    tok_x = gl.load(rows_ptr + tok, mask=tok < row_end, other=0)
+                else:
+                    tok_x = tok
                 x_mask = (tok < row_end)[:, None] & (x_c < 64)[None, :]
                 x_pair_ptr = (
-                    x_ptr + tok.to(gl.int64)[:, None] * stride_xm + (kt_lo * (_BK // 2) + x_phys)[None, :]
+                    x_ptr + tok_x.to(gl.int64)[:, None] * stride_xm + (kt_lo * (_BK // 2) + x_phys)[None, :]
                 )
                 # each row's scale word of a K tile (lane q takes byte q), one tile ahead in registers
                 s_row_ptr = (
@@ -299,13 +305,14 @@ def gluon_grouped_fp4_gemm(
     s: torch.Tensor,
     out: torch.Tensor,
     *,
+    rows: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (rows 4-byte aligned),
-    ``w`` uint8 [E, N, K/2], ``s`` uint8 [E, N, K/32] (the checked arguments of
-    ``moe_gemm.grouped_fp4_gemm``)."""
+    """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (or [T, K] with ``rows [R]``, the row
+    each grouped row reads; rows 4-byte aligned), ``w`` uint8 [E, N, K/2], ``s`` uint8 [E, N, K/32] (the checked
+    arguments of ``moe_gemm.grouped_fp4_gemm``)."""
     e_count, n, _ = w.shape
-    r, k = x.shape
+    r, k = out.shape[0], x.shape[1]
     sms = sm_count(x.device)
     cfg = dict(config) if config else gluon_config(r, e_count, n, k, sms)
     bt, ns = cfg["BT"], cfg.get("NS", 3)
@@ -320,6 +327,7 @@ def gluon_grouped_fp4_gemm(
     si = s.view(torch.int32)
     _moe_gemm_gluon_kernel[(n_tiles, grid_m, split)](
         xi,
+        xi if rows is None else rows,
         wi,
         si,
         expert_offsets,
@@ -341,6 +349,7 @@ def gluon_grouped_fp4_gemm(
         NS=ns,
         SPLIT=split,
         OUT_BF16=out.dtype == torch.bfloat16,
+        GATHER=rows is not None,
         num_warps=4,
         maxnreg=cfg.get("MAXNREG"),
     )
