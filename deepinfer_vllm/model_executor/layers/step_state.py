@@ -49,6 +49,8 @@ class StepState:
     # False in vLLM's profiling and dummy runs (no metadata, no caches bound):
     # every token then attends to its own key only and nothing is stored.
     has_caches: bool = True
+    # Per-token tensors every layer derives alike, made once per step (``derived``).
+    _derived: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_metadata(cls, attn_metadata: dict, any_layer: str) -> StepState:
@@ -85,6 +87,20 @@ class StepState:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def no_window_floor(self) -> torch.Tensor:
+        """``[T]`` zeros: the window lower bound of a layer without one (made once per step)."""
+        if "zeros" not in self._derived:
+            self._derived["zeros"] = torch.zeros_like(self.positions)
+        return self._derived["zeros"]
+
+    def entries_closed(self, ratio: int) -> torch.Tensor:
+        """``[T]`` compressed entries of ratio ``ratio`` complete at each token, ``(pos + 1) // ratio``
+        (made once per step and ratio)."""
+        key = ("closed", ratio)
+        if key not in self._derived:
+            self._derived[key] = (self.positions + 1) // ratio
+        return self._derived[key]
 
     @property
     def _any_metadata(self) -> V41StepMetadata | None:

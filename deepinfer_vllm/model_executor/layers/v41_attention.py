@@ -223,7 +223,7 @@ class V41Attention(nn.Module):
         window = PagedView(self.window_cache, state)
         bound = self._window_lower_bound(state)
         self._store(window, req, pos, kv, keep=None if bound is None else pos >= bound)
-        window_lo = torch.zeros_like(pos) if bound is None else bound
+        window_lo = state.no_window_floor() if bound is None else bound
         if self.role.is_kv_source and write_compressed:
             self.write_compressed(x, state)
         comp = {}
@@ -335,7 +335,7 @@ class V41Attention(nn.Module):
             keys.layer.kv_cache,
             keys.meta.block_table,
             state.token_req,
-            (pos + 1) // r,
+            state.entries_closed(r),
             ratio=keys.layer.ratio,
             block_size=keys.meta.block_size,
             topk=a.index_topk,
