@@ -65,8 +65,8 @@ class PoolPairs(KernelOp):
 
     ``u``, ``g [T, D]`` are the step's fp32 compressor rows, ``ring [num_blocks, capacity, 2 * D]``
     the earlier steps' rows ``[u | g]`` (request ``r``'s in block ``block_table[r, 0]``, at
-    ``position % capacity``); a token at an odd position closes the pair ``(pos - 1, pos)``, whose first row is
-    the step's previous row or the ring's (``compressor.step_pair_rows``). Each latent is
+    ``position % capacity``); a token at an odd position closes the pair ``(pos - 1, pos)``, whose
+    first row is the step's previous row or the ring's (``compressor.step_pair_rows``). Each latent is
     ``pool_ratio2`` of its pair rounded to ``out_dtype``; the caller stores row ``i`` as entry
     ``entry[i]`` of request row ``req[i]`` unless ``keep[i]`` is False. Then each request's rows
     of its last ``capacity`` positions go into the ring (read before overwritten).

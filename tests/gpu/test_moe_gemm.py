@@ -180,7 +180,11 @@ def test_moe_gemm_gathers_rows(device, act, cfg):
     """``rows``: each grouped row reads ``x[rows[i]]`` as the tiles load it (the MoE layer's tokens,
     each routed to several experts, never copied into grouped order): bit-equal to the same call on
     ``x[rows]``, Triton and Gluon kernels, with and without split K."""
-    gluon = {"gluon8": dict(BT=8, SPLIT=1), "gluon16s4": dict(BT=16, SPLIT=4), "gluon32s2": dict(BT=32, SPLIT=2)}
+    gluon = {
+        "gluon8": dict(BT=8, SPLIT=1),
+        "gluon16s4": dict(BT=16, SPLIT=4),
+        "gluon32s2": dict(BT=32, SPLIT=2),
+    }
     e, n, k, t, top_k = 6, 64, 256, 13, 3
     w, s = make_experts(e, n, k, seed=31, device=device)
     x = make_x(t, k, seed=32, device=device)

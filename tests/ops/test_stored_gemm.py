@@ -89,7 +89,11 @@ def _check(got, x, w):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "m,n,k,cfg",
-    [(1, 64, 128, None), (9, 96, 160, dict(BM=16, BN=32, BK=32, SPLIT=3, num_warps=4)), (20, 32, 64, dict(BM=32, BN=32, BK=32, SPLIT=2, num_warps=4))],
+    [
+        (1, 64, 128, None),
+        (9, 96, 160, dict(BM=16, BN=32, BK=32, SPLIT=3, num_warps=4)),  # split K added by the last program
+        (20, 32, 64, dict(BM=32, BN=32, BK=32, SPLIT=2, num_warps=4)),  # split K added by splitk_reduce
+    ],
 )
 def test_small_gemms(K, w_dtype, out_dtype, m, n, k, cfg):
     g = torch.Generator().manual_seed(m + n)

@@ -401,8 +401,10 @@ def _pool_pairs_kernel(
     u_row = u_ptr + r[:, None] * u_stride + c[None, :]
     g_row = g_ptr + r[:, None] * g_stride + c[None, :]
     f_ring = ring_ptr + (blk * ring_block_stride + back * ring_row_stride)[:, None] + c[None, :]
-    u0 = tl.where(m_step, tl.load(u_row - u_stride, mask=m_step, other=0.0), tl.load(f_ring, mask=m_ring, other=0.0))
-    g0 = tl.where(m_step, tl.load(g_row - g_stride, mask=m_step, other=0.0), tl.load(f_ring + D, mask=m_ring, other=0.0))
+    u_prev = tl.load(u_row - u_stride, mask=m_step, other=0.0)
+    g_prev = tl.load(g_row - g_stride, mask=m_step, other=0.0)
+    u0 = tl.where(m_step, u_prev, tl.load(f_ring, mask=m_ring, other=0.0))
+    g0 = tl.where(m_step, g_prev, tl.load(f_ring + D, mask=m_ring, other=0.0))
     u1 = tl.load(u_row, mask=mask, other=0.0)
     g1 = tl.load(g_row, mask=mask, other=0.0)
     if ACC_FP64:
@@ -465,7 +467,8 @@ def _ring_write_kernel(
 
 def _check_step(u, g, ring, block_table, req, pos, lens) -> None:
     if u.dim() != 2 or u.shape != g.shape or u.dtype != torch.float32 or g.dtype != torch.float32:
-        raise ValueError(f"u and g must be fp32 [T, D], got {tuple(u.shape)} {u.dtype}, {tuple(g.shape)} {g.dtype}")
+        got = f"{tuple(u.shape)} {u.dtype}, {tuple(g.shape)} {g.dtype}"
+        raise ValueError(f"u and g must be fp32 [T, D], got {got}")
     if ring.dim() != 3 or ring.dtype != torch.float32 or ring.shape[2] != 2 * u.shape[1]:
         got = f"{tuple(ring.shape)} {ring.dtype}"
         raise ValueError(f"ring must be fp32 [num_blocks, capacity, {2 * u.shape[1]}] ([u | g]), got {got}")
@@ -499,9 +502,9 @@ def pool_pairs(
     ``u``, ``g [T, D]`` are the step's fp32 compressor rows (token ``t`` at position ``pos[t]`` of
     request row ``req[t]``, a request's tokens consecutive; any row strides); ``ring [num_blocks,
     capacity, 2 * D]`` holds earlier steps' rows laid out ``[u | g]``, request ``r``'s in block
-    ``block_table[r, 0]`` at ``position % capacity``. The pair's first row is the step's previous row when position ``pos - 1 >=
-    context_lens[req]``, else the ring's. Latents are ``pool_ratio2`` of the pair rounded to
-    ``out_dtype``: bf16 (fp32 arithmetic) or fp32 (fp64 arithmetic, as the reference does for fp32
+    ``block_table[r, 0]`` at ``position % capacity``. The pair's first row is the step's previous
+    row when position ``pos - 1 >= context_lens[req]``, else the ring's. Latents are
+    ``pool_ratio2`` of the pair rounded to ``out_dtype``: bf16 (fp32 arithmetic) or fp32 (fp64 arithmetic, as the reference does for fp32
     models); ``entry = pos // 2``; ``closes``: odd positions (the pairs that complete). Every
     token's pair is pooled, so sizes never depend on device values. Run before ``ring_write``.
     """

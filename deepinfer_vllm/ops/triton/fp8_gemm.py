@@ -173,7 +173,9 @@ def _fp8_gemm_kernel(
         acc = mma_bf16(w, tl.trans(xv), acc, F32_DOT)
     omask = n_mask[:, None] & m_mask[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
-    store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND, part_ptr, counter_ptr, tile)
+    store_tile(
+        out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND, part_ptr, counter_ptr, tile
+    )
 
 
 # --------------------------------------------------------------------------- wrapper

@@ -149,7 +149,8 @@ def _hc_mix_split_kernel(
         row = (s[:, None] * T_pad + t[None, :]) * NP  # [SC, ROWS]; t < T_pad always
         m2 = on[:, None, None] & (i >= 0)[None, None, :]
         pre += tl.sum(tl.load(part_ptr + row[:, :, None] + i[None, None, :], mask=m2, other=0.0), axis=0)
-        post += tl.sum(tl.load(part_ptr + row[:, :, None] + HC + i[None, None, :], mask=m2, other=0.0), axis=0)
+        p_ptr = part_ptr + row[:, :, None] + HC + i[None, None, :]
+        post += tl.sum(tl.load(p_ptr, mask=m2, other=0.0), axis=0)
         c_ptr = part_ptr + row[:, :, None, None] + 2 * HC + jk[None, None, :, :]
         c_mask = on[:, None, None, None] & (jk >= 0)[None, None, :, :]
         comb += tl.sum(tl.load(c_ptr, mask=c_mask, other=0.0), axis=0)

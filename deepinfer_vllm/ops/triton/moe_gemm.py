@@ -265,7 +265,8 @@ def _moe_tile(
             src = tl.load(rows_ptr + offs_m, mask=m_mask, other=0)
         else:
             src = offs_m
-        x_rows = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + src.to(tl.int64)[:, None] * (stride_xm // 2)
+        x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        x_rows = x_words + src.to(tl.int64)[:, None] * (stride_xm // 2)
         c = tl.arange(0, BKH)
         shift = (8 * (c // 16))[None, :]  # a byte's block scale within the row's NB scale bytes
         if NB == 4:

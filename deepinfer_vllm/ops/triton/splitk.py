@@ -64,7 +64,8 @@ def split_fixup(
         total = tl.zeros_like(acc)
         for s in tl.static_range(SPLIT):
             total += tl.load(part + s * rows * N, mask=omask, other=0.0, cache_modifier=".cg")
-        store_out(out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None], total, omask, OUT_KIND)
+        out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        store_out(out, total, omask, OUT_KIND)
         tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 

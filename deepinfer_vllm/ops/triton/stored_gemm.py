@@ -40,7 +40,14 @@ import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.triton.fp8_gemm import gemm_output, pick_config, store_tile
-from deepinfer_vllm.ops.triton.splitk import FIXUP_ROWS, OUT_KINDS, sm_count, split_counters, split_k, splitk_reduce
+from deepinfer_vllm.ops.triton.splitk import (
+    FIXUP_ROWS,
+    OUT_KINDS,
+    sm_count,
+    split_counters,
+    split_k,
+    splitk_reduce,
+)
 
 __all__ = ["bf16x3", "dot_bf16", "split_bf16x3", "stored_config", "stored_gemm", "widen_bf16"]
 
@@ -164,7 +171,9 @@ def _stored_gemm_kernel(
             acc = dot_bf16(w, xt, acc, F32_DOT)
     omask = n_mask[:, None] & m_mask[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
-    store_tile(out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND, part_ptr, counter_ptr, tile)
+    store_tile(
+        out_ptr, acc, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND, part_ptr, counter_ptr, tile
+    )
 
 
 # --------------------------------------------------------------------------- wrapper
