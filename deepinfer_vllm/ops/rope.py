@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.dispatch import KernelOp
 
 __all__ = [
@@ -161,22 +162,53 @@ def _fused_shape(x: torch.Tensor, positions: torch.Tensor) -> bool:
 class RopeTail(KernelOp):
     """``apply_rope_tail(x, positions, cache, inverse)`` as one operator of the ``fused``
     family: the reference, or one kernel per call on Triton / ``torch_npu`` where ``x`` is
-    ``[T, D]`` or ``[T, H, D]`` with one position per token (other shapes run the reference)."""
+    ``[T, D]`` or ``[T, H, D]`` with one position per token (other shapes run the reference).
+    ``qdq="mxfp4"``: the rotated rows' MXFP4 round trip follows (``quant.mxfp4_qdq``; the
+    indexer query), in the same kernel on Triton."""
 
     name = "rope_tail"
     family = "fused"
     kernel_modules = {"triton": "deepinfer_vllm.ops.triton.rope", "npu": "deepinfer_vllm.ops.npu"}
 
     def forward_native(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, inverse: bool = False
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        inverse: bool = False,
+        qdq: str | None = None,
     ) -> torch.Tensor:
-        return apply_rope_tail(x, positions, cache, inverse=inverse)
+        return _round_trip(apply_rope_tail(x, positions, cache, inverse=inverse), qdq)
 
     def forward_triton(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, inverse: bool = False
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        inverse: bool = False,
+        qdq: str | None = None,
     ) -> torch.Tensor:
         if not _fused_shape(x, positions):
-            return apply_rope_tail(x, positions, cache, inverse=inverse)
-        return self.kernels.rope_tail(x, positions, cache, inverse)
+            return self.forward_native(x, positions, cache, inverse, qdq)
+        return self.kernels.rope_tail(x, positions, cache, inverse, qdq)
 
-    forward_npu = forward_triton  # the same call on ``ops.npu``'s kernel (``kernel_modules``)
+    def forward_npu(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        inverse: bool = False,
+        qdq: str | None = None,
+    ) -> torch.Tensor:
+        if not _fused_shape(x, positions):
+            return self.forward_native(x, positions, cache, inverse, qdq)
+        return _round_trip(self.kernels.rope_tail(x, positions, cache, inverse), qdq)
+
+
+def _round_trip(x: torch.Tensor, qdq: str | None) -> torch.Tensor:
+    """``x`` after the named quantise-dequantise round trip (None: unchanged)."""
+    if qdq is None:
+        return x
+    if qdq != "mxfp4":
+        raise ValueError(f"qdq must be None or 'mxfp4', got {qdq!r}")
+    return quant.mxfp4_qdq(x)

@@ -47,3 +47,49 @@ def test_rope_tail_refuses_per_head_positions(device):
     x = torch.zeros(3, 2, 32, device=device)
     with pytest.raises(ValueError, match="positions \\[T\\]"):
         rope_tail(x, torch.zeros(3, 2, dtype=torch.long, device=device), cache)
+
+
+def _qdq_inputs(shape, seed: int) -> torch.Tensor:
+    """bf16 heads whose 32-entry blocks include all zeros, values near MXFP4's amax floor, e2m1
+    ties after scaling (0.25, 0.75, 2.5, 5 times a power of two), negative zeros and wide ranges."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-20, 21, (*shape[:-1], 1), generator=g).float())
+    blocks = x.view(-1, 32)
+    n = blocks.shape[0]
+    blocks[0::7] = 0.0
+    blocks[1::7] = torch.randn(blocks[1::7].shape, generator=g) * 2.0**-126
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    pick = torch.randint(0, ties.numel(), (blocks[2::7].shape), generator=g)
+    blocks[2::7] = ties[pick] * torch.exp2(torch.randint(-8, 8, (blocks[2::7].shape[0], 1), generator=g).float())
+    blocks[3::7, ::3] = -0.0
+    assert n >= 4
+    return x.to(torch.bfloat16)
+
+
+QDQ_CASES = shapes([((3, 2, 64), 32), ((4, 3, 96), 32), ((2, 5, 128), 64)], [((64, 64, 128), 64), ((300, 64, 128), 64)])
+
+
+@pytest.mark.parametrize("shape,rotary", QDQ_CASES)
+def test_rope_tail_mxfp4_round_trip_is_bit_exact(device, shape, rotary):
+    """The fused round trip equals ``quant.mxfp4_qdq`` of the kernel's own rotation bit for bit (the
+    rotation itself may differ from the reference's by FMA contraction: compared on the same values)."""
+    from deepinfer_vllm.ops import quant
+
+    cache = build_rope_cache(rotary, 4096, 10000.0).to(device)
+    x = _qdq_inputs(shape, sum(shape)).to(device)
+    pos = torch.randint(0, 4096, shape[:1], generator=torch.Generator().manual_seed(1)).to(device)
+    rotated = rope_tail(x, pos, cache)
+    got = rope_tail(x, pos, cache, qdq="mxfp4")
+    want = quant.mxfp4_qdq(rotated)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_rope_tail_refuses_bad_round_trips(device):
+    cache = build_rope_cache(16, 64, 10000.0).to(device)
+    x = torch.zeros(3, 2, 48, dtype=torch.bfloat16, device=device)
+    pos = torch.zeros(3, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="qdq must be"):
+        rope_tail(torch.zeros(3, 2, 64, dtype=torch.bfloat16, device=device), pos, cache, qdq="nvfp4")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        rope_tail(x, pos, cache, qdq="mxfp4")

@@ -33,7 +33,6 @@ from deepinfer_vllm.model_executor.layers.norm import V41Norm
 from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout
 from deepinfer_vllm.model_executor.layers.params import built_for, held
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
-from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.attention_ops import IndexerTopK, PagedSparseAttention, PoolPairs, StoreRecords
 from deepinfer_vllm.ops.rope import RopeTail
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
@@ -170,8 +169,10 @@ class V41Attention(nn.Module):
         return self._kv_source[0]
 
     # ------------------------------------------------------------------ helpers
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return self.rope_tail(x, positions, self.rope_cache, inverse)
+    def _rope(
+        self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False, qdq: str | None = None
+    ) -> torch.Tensor:
+        return self.rope_tail(x, positions, self.rope_cache, inverse, qdq)
 
     def _store(
         self,
@@ -324,7 +325,7 @@ class V41Attention(nn.Module):
         idx = self.indexer
         pos = state.positions
         qi = linear(idx.wq_b, c_q).view(T, a.index_n_heads, a.index_head_dim)
-        qi = quant.mxfp4_qdq(self._rope(qi, pos))
+        qi = self._rope(qi, pos, qdq="mxfp4")  # rotated, then its MXFP4 round trip (one kernel)
         # DeepInfer drops the 1/sqrt(dk * heads) weight scale: it is 2^-6 for
         # Flash's shapes, so dropping it cannot change any comparison.
         w = linear(idx.weights_proj, x)

@@ -1,4 +1,6 @@
-"""RoPE on the tail of every head in one launch (reference: ``ops.rope.apply_rope_tail``).
+"""RoPE on the tail of every head in one launch (reference: ``ops.rope.apply_rope_tail``), optionally
+followed in the same launch by the MXFP4 round trip of every head (``qdq="mxfp4"``: the indexer query,
+reference ``ops.quant.mxfp4_qdq(apply_rope_tail(...))``).
 
 The reference is a dozen small kernels per call (gather, slices, four products, stack,
 cast, concatenation) and the attention calls it six times per layer. Here one program per
@@ -6,6 +8,12 @@ token and block of heads reads the position's cos/sin row once, rotates the GPT-
 the last ``rotary_dim`` entries in fp32, rounds once and copies the leading entries.
 The products may be fused into FMAs, so a rotated entry can differ from the reference in
 its last fp32 bit before the rounding (``tests/gpu/test_rope.py`` states the tolerance).
+
+The MXFP4 round trip works on the rounded rotation, per block of 32 entries of a head (the leading
+entries' blocks and the rotated tail's; the tail's pairs ``(2i, 2i + 1)`` of 16 consecutive ``i`` make
+one block): the encoders of ``cache_store`` (integer / single IEEE operations, launched without FMA
+contraction or flush-to-zero), so the round trip is bit-exact with ``ops.quant.mxfp4_qdq`` of the same
+rotated values; each ``e2m1 * 2^e`` is exact in bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -14,9 +22,41 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops import quant
+from deepinfer_vllm.ops.triton.cache_store import _LAUNCH, _e2m1, _f32_bits, _mul, _pow2, _pow2_exponent
 from deepinfer_vllm.ops.triton.mhc import _narrow
 
-__all__ = ["rope_tail"]
+__all__ = ["QDQ_FORMATS", "rope_tail"]
+
+QDQ_FORMATS = (None, "mxfp4")  # round trips the fused kernel applies after the rotation
+_FLOOR_BITS = _f32_bits(quant.MXFP4_AMAX_FLOOR)
+
+
+@triton.jit
+def _widen(v, BF16: tl.constexpr):
+    """Loaded values as fp32: bf16 arrives as its int16 bits (widened on the bits: Triton's
+    interpreter mishandles bf16 subnormals in casts)."""
+    if BF16:
+        return ((v.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _bits(v, BF16: tl.constexpr):
+    """fp32 ``v`` holding values of the output dtype, as stored: bf16 as its int16 bits."""
+    if BF16:
+        return (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    return v
+
+
+@triton.jit
+def _mxfp4_round_trip(v, e):
+    """``e2m1(v * 2^-e) * 2^e`` for fp32 ``v`` and block exponents ``e`` broadcast to it (exact)."""
+    code = _e2m1(_mul(v, _pow2(-e)))
+    m = code & 7
+    mag = tl.where(m < 2, m.to(tl.float32) * 0.5, (2 + (m & 1)).to(tl.float32) * _pow2((m >> 1) - 2))
+    mag = _mul(mag, _pow2(e))
+    return tl.where((code >> 3) == 1, -mag, mag)
 
 
 @triton.jit
@@ -34,6 +74,8 @@ def _rope_tail_kernel(
     BH: tl.constexpr,
     BD: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    FLOOR_BITS: tl.constexpr,  # fp32 bits of MXFP4's amax floor
+    QDQ: tl.constexpr,  # MXFP4 round trip of every 32-entry block after the rotation
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -46,23 +88,47 @@ def _rope_tail_kernel(
     dst = out_ptr + (t * H + h.to(tl.int64)[:, None]) * D
     nope = D - 2 * HALF
     m2 = hm[:, None] & (i >= 0)[None, :]
-    a = tl.load(src + nope + 2 * i[None, :], mask=m2, other=0.0).to(tl.float32)
-    b = tl.load(src + nope + 2 * i[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
-    ra = a * cos - b * sin
-    rb = a * sin + b * cos
-    tl.store(dst + nope + 2 * i[None, :], _narrow(ra, OUT_BF16).to(out_ptr.dtype.element_ty), mask=m2)
-    tl.store(dst + nope + 2 * i[None, :] + 1, _narrow(rb, OUT_BF16).to(out_ptr.dtype.element_ty), mask=m2)
-    c = tl.arange(0, BD)
-    for c0 in range(0, nope, BD):
-        cm = hm[:, None] & (c0 + c < nope)[None, :]
-        tl.store(dst + c0 + c[None, :], tl.load(src + c0 + c[None, :], mask=cm), mask=cm)
+    a = _widen(tl.load(src + nope + 2 * i[None, :], mask=m2, other=0), OUT_BF16)
+    b = _widen(tl.load(src + nope + 2 * i[None, :] + 1, mask=m2, other=0), OUT_BF16)
+    ra = _narrow(a * cos - b * sin, OUT_BF16)
+    rb = _narrow(a * sin + b * cos, OUT_BF16)
+    if QDQ:
+        # the tail's blocks: pairs 16j .. 16j + 15 (entries 32j .. 32j + 31 of the tail)
+        NBR: tl.constexpr = HALF // 16
+        ra3 = tl.reshape(ra, [BH, NBR, 16])
+        rb3 = tl.reshape(rb, [BH, NBR, 16])
+        amax = tl.maximum(tl.max(tl.abs(ra3), axis=2), tl.max(tl.abs(rb3), axis=2))
+        e = _pow2_exponent(amax, FLOOR_BITS, 6.0)[:, :, None]
+        ra = tl.reshape(_mxfp4_round_trip(ra3, e), [BH, HALF])
+        rb = tl.reshape(_mxfp4_round_trip(rb3, e), [BH, HALF])
+    tl.store(dst + nope + 2 * i[None, :], _bits(ra, OUT_BF16), mask=m2)
+    tl.store(dst + nope + 2 * i[None, :] + 1, _bits(rb, OUT_BF16), mask=m2)
+    if QDQ:
+        c32 = tl.arange(0, 32)
+        for c0 in range(0, nope, 32):
+            cm = hm[:, None] & (c0 + c32 >= 0)[None, :]
+            v = _widen(tl.load(src + c0 + c32[None, :], mask=cm, other=0), OUT_BF16)
+            e = _pow2_exponent(tl.max(tl.abs(v), axis=1), FLOOR_BITS, 6.0)[:, None]
+            tl.store(dst + c0 + c32[None, :], _bits(_mxfp4_round_trip(v, e), OUT_BF16), mask=cm)
+    else:
+        c = tl.arange(0, BD)
+        for c0 in range(0, nope, BD):
+            cm = hm[:, None] & (c0 + c < nope)[None, :]
+            tl.store(dst + c0 + c[None, :], tl.load(src + c0 + c[None, :], mask=cm), mask=cm)
 
 
 def rope_tail(
-    x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, inverse: bool = False
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor,
+    inverse: bool = False,
+    qdq: str | None = None,
 ) -> torch.Tensor:
     """``apply_rope_tail`` for ``x [T, D]`` or ``[T, H, D]`` with one position per token
-    (``positions [T]``); a new tensor in ``x.dtype``."""
+    (``positions [T]``); a new tensor in ``x.dtype``. ``qdq="mxfp4"``: then the MXFP4 round trip
+    of every head (``quant.mxfp4_qdq``; D and the rotated tail multiples of 32)."""
+    if qdq not in QDQ_FORMATS:
+        raise ValueError(f"qdq must be one of {QDQ_FORMATS}, got {qdq!r}")
     if x.dim() not in (2, 3) or positions.shape != x.shape[:1]:
         raise ValueError(
             f"x [T, D] or [T, H, D] with positions [T] expected, got {tuple(x.shape)}, "
@@ -72,6 +138,10 @@ def rope_tail(
     D = x.shape[-1]
     if D < rotary or rotary & (rotary - 1) or cache.dtype != torch.float32:
         raise ValueError(f"rotary_dim {rotary} must be a power of two <= {D} with an fp32 cache")
+    if qdq is not None and x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the MXFP4 round trip takes bf16 or fp32 x, got {x.dtype}")
+    if qdq is not None and (D % quant.MX_BLOCK or rotary % quant.MX_BLOCK):
+        raise ValueError(f"the MXFP4 round trip needs D ({D}) and rotary_dim ({rotary}) multiples of 32")
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
@@ -79,11 +149,12 @@ def rope_tail(
     out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T and H:
         bh = min(16, triton.next_power_of_2(H))
+        bf16 = x.dtype == torch.bfloat16
         _rope_tail_kernel[(T, triton.cdiv(H, bh))](
-            x3,
+            x3.view(torch.int16) if bf16 else x3,
             positions.contiguous(),
             cache.contiguous(),
-            out,
+            out.view(torch.int16) if bf16 else out,
             H,
             D,
             x3.stride(0),
@@ -93,6 +164,9 @@ def rope_tail(
             BH=bh,
             BD=128,
             OUT_BF16=x.dtype == torch.bfloat16,
+            FLOOR_BITS=_FLOOR_BITS,
+            QDQ=qdq is not None,
             num_warps=4,
+            **_LAUNCH,
         )
     return out.view(x.shape)
