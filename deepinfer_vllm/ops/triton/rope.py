@@ -37,16 +37,20 @@ def _widen(v, BF16: tl.constexpr):
     """Loaded values as fp32: bf16 arrives as its int16 bits (widened on the bits: Triton's
     interpreter mishandles bf16 subnormals in casts)."""
     if BF16:
-        return ((v.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    return v.to(tl.float32)
+        w = ((v.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        w = v.to(tl.float32)
+    return w
 
 
 @triton.jit
 def _bits(v, BF16: tl.constexpr):
     """fp32 ``v`` holding values of the output dtype, as stored: bf16 as its int16 bits."""
     if BF16:
-        return (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
-    return v
+        stored = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    else:
+        stored = v
+    return stored
 
 
 @triton.jit
@@ -98,9 +102,9 @@ def _rope_tail_kernel(
         ra3 = tl.reshape(ra, [BH, NBR, 16])
         rb3 = tl.reshape(rb, [BH, NBR, 16])
         amax = tl.maximum(tl.max(tl.abs(ra3), axis=2), tl.max(tl.abs(rb3), axis=2))
-        e = _pow2_exponent(amax, FLOOR_BITS, 6.0)[:, :, None]
-        ra = tl.reshape(_mxfp4_round_trip(ra3, e), [BH, HALF])
-        rb = tl.reshape(_mxfp4_round_trip(rb3, e), [BH, HALF])
+        e_tail = _pow2_exponent(amax, FLOOR_BITS, 6.0)[:, :, None]
+        ra = tl.reshape(_mxfp4_round_trip(ra3, e_tail), [BH, HALF])
+        rb = tl.reshape(_mxfp4_round_trip(rb3, e_tail), [BH, HALF])
     tl.store(dst + nope + 2 * i[None, :], _bits(ra, OUT_BF16), mask=m2)
     tl.store(dst + nope + 2 * i[None, :] + 1, _bits(rb, OUT_BF16), mask=m2)
     if QDQ:
@@ -108,8 +112,8 @@ def _rope_tail_kernel(
         for c0 in range(0, nope, 32):
             cm = hm[:, None] & (c0 + c32 >= 0)[None, :]
             v = _widen(tl.load(src + c0 + c32[None, :], mask=cm, other=0), OUT_BF16)
-            e = _pow2_exponent(tl.max(tl.abs(v), axis=1), FLOOR_BITS, 6.0)[:, None]
-            tl.store(dst + c0 + c32[None, :], _bits(_mxfp4_round_trip(v, e), OUT_BF16), mask=cm)
+            e_lead = _pow2_exponent(tl.max(tl.abs(v), axis=1), FLOOR_BITS, 6.0)[:, None]
+            tl.store(dst + c0 + c32[None, :], _bits(_mxfp4_round_trip(v, e_lead), OUT_BF16), mask=cm)
     else:
         c = tl.arange(0, BD)
         for c0 in range(0, nope, BD):
