@@ -60,7 +60,8 @@ def _mxfp4_round_trip(v, e):
     m = code & 7
     mag = tl.where(m < 2, m.to(tl.float32) * 0.5, (2 + (m & 1)).to(tl.float32) * _pow2((m >> 1) - 2))
     mag = _mul(mag, _pow2(e))
-    return tl.where((code >> 3) == 1, -mag, mag)
+    # the sign on the bits: compiled Triton negates as 0 - x, which loses e2m1's negative zero
+    return (mag.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
