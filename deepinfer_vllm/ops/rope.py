@@ -159,6 +159,15 @@ def _fused_shape(x: torch.Tensor, positions: torch.Tensor) -> bool:
     return positions.shape == x.shape[:1] and x.dim() in (2, 3)
 
 
+def _fused_round_trip(x: torch.Tensor, cache: torch.Tensor, qdq: str | None) -> bool:
+    """Whether the Triton kernel can apply ``qdq`` itself: whole MXFP4 blocks in the leading entries
+    and the rotated tail, a bf16 or fp32 ``x`` (other cases run the reference)."""
+    if qdq is None:
+        return True
+    block = quant.MX_BLOCK
+    return x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] % block == 0 and cache.shape[-1] % block == 0
+
+
 class RopeTail(KernelOp):
     """``apply_rope_tail(x, positions, cache, inverse)`` as one operator of the ``fused``
     family: the reference, or one kernel per call on Triton / ``torch_npu`` where ``x`` is
@@ -188,7 +197,7 @@ class RopeTail(KernelOp):
         inverse: bool = False,
         qdq: str | None = None,
     ) -> torch.Tensor:
-        if not _fused_shape(x, positions):
+        if not (_fused_shape(x, positions) and _fused_round_trip(x, cache, qdq)):
             return self.forward_native(x, positions, cache, inverse, qdq)
         return self.kernels.rope_tail(x, positions, cache, inverse, qdq)
 

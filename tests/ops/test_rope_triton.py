@@ -61,3 +61,15 @@ def test_reference_op_is_rope_then_mxfp4_qdq():
     assert torch.equal(op(x, pos, cache), apply_rope_tail(x, pos, cache))
     with pytest.raises(ValueError, match="qdq must be"):
         op(x, pos, cache, qdq="nvfp4")
+
+
+def test_op_runs_the_reference_where_the_kernel_cannot_round_trip(K, monkeypatch):
+    """A rotated tail of 16 entries is not whole MXFP4 blocks: the Triton operator runs the reference."""
+    monkeypatch.setenv("DEEPINFER_FUSED_KERNELS", "triton")
+    op = RopeTail(torch.device("cpu"), torch.bfloat16)
+    assert op.backend == "triton"
+    cache = build_rope_cache(16, 64, 10000.0)
+    x = _inputs((3, 2, 64), 9)
+    pos = torch.tensor([1, 5, 9])
+    want = quant.mxfp4_qdq(apply_rope_tail(x, pos, cache))
+    assert torch.equal(op(x, pos, cache, qdq="mxfp4").view(torch.int16), want.view(torch.int16))
