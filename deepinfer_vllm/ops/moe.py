@@ -385,4 +385,4 @@ class SwiGlu(_Bf16Kernels):
         k = self.kernels
         if gate.dtype != up.dtype or gate.dtype not in k.IN_DTYPES or out_dtype not in k.OUT_DTYPES:
             return self.forward_native(gate, up, limit, row_weight, out_dtype)
-        return self.kernels.swiglu(gate, up, limit, row_weight, out_dtype)
+        return k.swiglu(gate, up, limit, row_weight, out_dtype)

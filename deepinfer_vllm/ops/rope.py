@@ -164,8 +164,8 @@ def _fused_round_trip(x: torch.Tensor, cache: torch.Tensor, qdq: str | None) -> 
     and the rotated tail, a bf16 or fp32 ``x`` (other cases run the reference)."""
     if qdq is None:
         return True
-    block = quant.MX_BLOCK
-    return x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] % block == 0 and cache.shape[-1] % block == 0
+    whole_blocks = x.shape[-1] % quant.MX_BLOCK == 0 and cache.shape[-1] % quant.MX_BLOCK == 0
+    return whole_blocks and x.dtype in (torch.bfloat16, torch.float32)
 
 
 class RopeTail(KernelOp):

@@ -127,7 +127,7 @@ def _addresses(n: int, num_blocks: int, n_per_page: int, seed: int, dtype: torch
     return table, (flat // per_req).to(dtype), (flat % per_req).to(dtype), keep
 
 
-def _slot_addresses(slots: torch.Tensor, num_blocks: int, n_per_page: int):
+def _slot_addresses(slots: torch.Tensor, num_blocks: int):
     """Flat slots ``block * N + record`` (-1 skipped) as one request owning every block in order."""
     table = torch.arange(num_blocks, device=slots.device).view(1, -1)
     keep = slots >= 0
@@ -195,7 +195,7 @@ def test_store_records_nvfp4_reciprocal_scale_cases(device):
     buf = buf.to(device)
     want = buf.clone()
     slots = torch.arange(x.shape[0], device=device).flip(0)
-    addr = _slot_addresses(slots, x.shape[0], 1)
+    addr = _slot_addresses(slots, x.shape[0])
     store_paged(view(want, False), rf, *addr[:3], x, addr[3])
     store_records(view(buf, False), rf, *addr[:3], x, addr[3])
     assert torch.equal(buf, want)
@@ -209,7 +209,7 @@ def test_store_records_strided_rows_and_all_skipped(device):
     want = buf.clone()
     wide = wide_inputs(6, 2 * dim, fmt, torch.bfloat16, 5).to(device)
     x = wide[:, dim:]  # row stride 2 * dim
-    table, req, entry, keep = _slot_addresses(torch.tensor([11, -1, 0, 5, 7, 2], device=device), 3, 4)
+    table, req, entry, keep = _slot_addresses(torch.tensor([11, -1, 0, 5, 7, 2], device=device), 3)
     store_paged(view(want, True), rf, table, req, entry, x, keep)
     store_records(view(buf, True), rf, table, req, entry, x, keep)
     assert torch.equal(buf, want)

@@ -15,6 +15,7 @@ from test_mhc import assert_within_one_ulp
 
 from deepinfer_vllm.ops.rope import apply_rope_tail, build_rope_cache
 from deepinfer_vllm.ops.triton.rope import rope_tail
+from tests.ops.test_rope_triton import mxfp4_edge_rows
 
 CASES = shapes([((5, 32), 16), ((7, 3, 48), 16), ((2, 17, 64), 64)], [((64, 64, 512), 64), ((300, 512), 64)])
 
@@ -49,24 +50,9 @@ def test_rope_tail_refuses_per_head_positions(device):
         rope_tail(x, torch.zeros(3, 2, dtype=torch.long, device=device), cache)
 
 
-def _qdq_inputs(shape, seed: int) -> torch.Tensor:
-    """bf16 heads whose 32-entry blocks include all zeros, values near MXFP4's amax floor, e2m1
-    ties after scaling (0.25, 0.75, 2.5, 5 times a power of two), negative zeros and wide ranges."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-20, 21, (*shape[:-1], 1), generator=g).float())
-    blocks = x.view(-1, 32)
-    n = blocks.shape[0]
-    blocks[0::7] = 0.0
-    blocks[1::7] = torch.randn(blocks[1::7].shape, generator=g) * 2.0**-126
-    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
-    pick = torch.randint(0, ties.numel(), (blocks[2::7].shape), generator=g)
-    blocks[2::7] = ties[pick] * torch.exp2(torch.randint(-8, 8, (blocks[2::7].shape[0], 1), generator=g).float())
-    blocks[3::7, ::3] = -0.0
-    assert n >= 4
-    return x.to(torch.bfloat16)
-
-
-QDQ_CASES = shapes([((3, 2, 64), 32), ((4, 3, 96), 32), ((2, 5, 128), 64)], [((64, 64, 128), 64), ((300, 64, 128), 64)])
+QDQ_CASES = shapes(
+    [((3, 2, 64), 32), ((4, 3, 96), 32), ((2, 5, 128), 64)], [((64, 64, 128), 64), ((300, 64, 128), 64)]
+)
 
 
 @pytest.mark.parametrize("shape,rotary", QDQ_CASES)
@@ -76,7 +62,7 @@ def test_rope_tail_mxfp4_round_trip_is_bit_exact(device, shape, rotary):
     from deepinfer_vllm.ops import quant
 
     cache = build_rope_cache(rotary, 4096, 10000.0).to(device)
-    x = _qdq_inputs(shape, sum(shape)).to(device)
+    x = mxfp4_edge_rows(shape, sum(shape)).to(device)
     pos = torch.randint(0, 4096, shape[:1], generator=torch.Generator().manual_seed(1)).to(device)
     rotated = rope_tail(x, pos, cache)
     got = rope_tail(x, pos, cache, qdq="mxfp4")

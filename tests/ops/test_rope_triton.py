@@ -26,22 +26,29 @@ def K():
     return interpreted_module("deepinfer_vllm.ops.triton.rope")
 
 
-def _inputs(shape, seed: int) -> torch.Tensor:
+def mxfp4_edge_rows(shape, seed: int) -> torch.Tensor:
+    """bf16 rows ``shape`` (last dim a multiple of 32) whose 32-entry blocks include all zeros, values
+    at MXFP4's amax floor, e2m1 ties (0.25 .. 6 times a power of two per block), negative zeros and a
+    wide range of scales (also ``tests/gpu/test_rope.py``'s inputs)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-20, 21, (*shape[:-1], 1), generator=g).float())
+    scales = torch.exp2(torch.randint(-20, 21, (*shape[:-1], 1), generator=g).float())
+    x = torch.randn(*shape, generator=g) * scales
     blocks = x.view(-1, 32)
-    blocks[0::5] = 0.0
-    blocks[1::5] = torch.randn(blocks[1::5].shape, generator=g) * 2.0**-126  # at the amax floor
+    assert blocks.shape[0] >= 4
+    blocks[0::7] = 0.0
+    blocks[1::7] = torch.randn(blocks[1::7].shape, generator=g) * 2.0**-126
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
-    blocks[2::5] = ties[torch.randint(0, 8, blocks[2::5].shape, generator=g)]
-    blocks[3::5, ::3] = -0.0
+    pick = torch.randint(0, ties.numel(), blocks[2::7].shape, generator=g)
+    block_scale = torch.exp2(torch.randint(-8, 8, (blocks[2::7].shape[0], 1), generator=g).float())
+    blocks[2::7] = ties[pick] * block_scale
+    blocks[3::7, ::3] = -0.0
     return x.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("shape,rotary", [((3, 4, 128), 64), ((2, 3, 96), 32), ((5, 64), 32)])
 def test_fused_round_trip_is_bit_exact(K, shape, rotary):
     cache = build_rope_cache(rotary, 512, 10000.0)
-    x = _inputs(shape, sum(shape))
+    x = mxfp4_edge_rows(shape, sum(shape))
     pos = torch.randint(0, 512, shape[:1], generator=torch.Generator().manual_seed(2))
     got = K.rope_tail(x, pos, cache, qdq="mxfp4")
     want = quant.mxfp4_qdq(K.rope_tail(x, pos, cache))
@@ -54,10 +61,11 @@ def test_reference_op_is_rope_then_mxfp4_qdq():
     """``RopeTail`` built for the CPU runs the reference: the rotation, then ``quant.mxfp4_qdq``."""
     op = RopeTail(torch.device("cpu"), torch.float32)
     cache = build_rope_cache(64, 512, 10000.0)
-    x = _inputs((3, 4, 128), 5)
+    x = mxfp4_edge_rows((3, 4, 128), 5)
     pos = torch.tensor([0, 17, 511])
     got = op(x, pos, cache, qdq="mxfp4")
-    assert torch.equal(got.view(torch.int16), quant.mxfp4_qdq(apply_rope_tail(x, pos, cache)).view(torch.int16))
+    want = quant.mxfp4_qdq(apply_rope_tail(x, pos, cache))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.equal(op(x, pos, cache), apply_rope_tail(x, pos, cache))
     with pytest.raises(ValueError, match="qdq must be"):
         op(x, pos, cache, qdq="nvfp4")
@@ -69,7 +77,7 @@ def test_op_runs_the_reference_where_the_kernel_cannot_round_trip(K, monkeypatch
     op = RopeTail(torch.device("cpu"), torch.bfloat16)
     assert op.backend == "triton"
     cache = build_rope_cache(16, 64, 10000.0)
-    x = _inputs((3, 2, 64), 9)
+    x = mxfp4_edge_rows((3, 2, 64), 9)
     pos = torch.tensor([1, 5, 9])
     want = quant.mxfp4_qdq(apply_rope_tail(x, pos, cache))
     assert torch.equal(op(x, pos, cache, qdq="mxfp4").view(torch.int16), want.view(torch.int16))

@@ -183,4 +183,3 @@ class RingView:
         if cache.dim() == 4:
             cache = cache.squeeze(1)
         self.rows = cache
-        self.capacity = cache.shape[1]
