@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu.common import HEADER, measure_ceilings  # noqa: E402
 
-MODULES = ("cache_store", "indexer", "sparse_mla_decode", "fp8_gemm", "moe_gemm")
+MODULES = ("cache_store", "indexer", "sparse_mla_decode", "fp8_gemm", "moe_gemm", "stored_gemm", "rope")
 
 
 def _print_table(rows: list[list[str]], markdown: bool) -> None:

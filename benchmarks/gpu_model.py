@@ -466,6 +466,10 @@ def main() -> None:
         help="also print, for each case's eager step, the operators launching its kernels and where they are called",
     )
     parser.add_argument(
+        "--cases",
+        help="decode cases as BATCHxCONTEXT, comma-separated (e.g. 1x8192,256x8192); default QUICK or DECODE",
+    )
+    parser.add_argument(
         "--engram",
         action="store_true",
         help="only the Engram layer's decode, rows in device memory vs host memory (issue 36)",
@@ -479,6 +483,8 @@ def main() -> None:
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     cases = [(2, 256)] if args.dry_run else (QUICK if args.quick else DECODE)
+    if args.cases:
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     prefill = 64 if args.dry_run else PREFILL_TOKENS
     block = 16  # vLLM's CPU platform classes (which build the config here) force 16 for MLA
     max_len = max(ctx for _, ctx in cases) + prefill + block
@@ -560,6 +566,10 @@ def main() -> None:
     touched, pairs = probe.local()
     nbytes, flops = step_cost(arch, dense, per_expert, per_expert_elems, touched, pairs, prefill, prefill)
     report(f"prefill {prefill} tokens", "eager", timed(prefill_forward, 3, device), nbytes, flops)
+    if args.profile:
+        profile(prefill_forward, device, steps=1)
+    if args.sources:
+        sources(prefill_forward, steps=1)
 
 
 if __name__ == "__main__":

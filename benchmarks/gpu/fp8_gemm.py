@@ -2,7 +2,8 @@
 
 Rows:
   * large M (8192) on (N, K) = (1792, 5120), (5120, 8192), (4608, 5120): act="bf16" and
-    act="mxfp8"; baseline ``torch._scaled_mm`` on the same
+    act="mxfp8" as chosen (from ``VENDOR_ROWS`` rows: the weight decoded to bf16, cuBLAS), and the
+    Triton kernel forced by its tile; baseline ``torch._scaled_mm`` on the same
     shape (e4m3 operands, per-tensor fp32 scales, bf16 out), measured in this run: the
     "vs baseline" column is the fraction of _scaled_mm's rate (goal: >= 0.80).
   * decode M = 1, 64, 256 on the same shapes: bytes = weight + scales + x + out; % copy.
@@ -70,7 +71,7 @@ def _large_rows() -> list[Row]:
         x = torch.randn(LARGE_M, k, device="cuda").to(torch.bfloat16)
         t_ref = _scaled_mm_seconds(LARGE_M, n, k)
         for act in ACTS:
-            t = time_s(lambda: fp8_block_gemm(x, w, s, act))
+            t = time_s(lambda: fp8_block_gemm(x, w, s, act))  # from VENDOR_ROWS: decoded weight on cuBLAS
             rows.append(
                 Row(
                     kernel=f"fp8_block_gemm act={act}",
@@ -82,6 +83,18 @@ def _large_rows() -> list[Row]:
                     baseline_seconds=t_ref,
                 )
             )
+        t_tri = time_s(lambda: fp8_block_gemm(x, w, s, config=SWEEP_LARGE[0]))
+        rows.append(
+            Row(
+                kernel="Triton kernel act=bf16",
+                shape=f"M={LARGE_M} N={n} K={k} ({_cfg_name(SWEEP_LARGE[0])})",
+                seconds=t_tri,
+                bytes=LARGE_M * k * 2 + n * k + LARGE_M * n * 2,
+                flops=2 * LARGE_M * n * k,
+                baseline="_scaled_mm",
+                baseline_seconds=t_ref,
+            )
+        )
     return rows
 
 

@@ -1,10 +1,12 @@
 """Benchmark of ops/triton/stored_gemm.py: bf16 x times a stored bf16 / fp32 weight, fp32 out.
 
-Shapes of the release: the compressor's fp32 ``wkv`` / ``wgate`` ``[512, 5120]`` and the
-router's bf16 ``[384, 5120]``. Rows: decode M = 1, 64, 256 and prefill M = 8192, each beside
+Shapes of the release: the compressor's fp32 ``wkv`` / ``wgate`` ``[512, 5120]``, the
+router's bf16 ``[384, 5120]`` and the indexer's bf16 ``weights_proj`` ``[64, 5120]``. Rows: a plain
+reader of the weight's bytes (the ceiling); decode M = 1, 2, 64, 256 and prefill M = 8192, each beside
 today's path, ``torch.matmul`` of the fp32-widened operands (cuBLAS SIMT sgemm; the widening
 included, as ``ops.weight_gemm.gemm_stored`` does it), measured in this run. bytes = weight +
-x + out; "% copy" is against the device-to-device copy rate.
+x + out; "% copy" is against the device-to-device copy rate. At M <= ``GEMV_ROWS`` (the CUDA-core
+path) the tensor-core kernel on the same call follows.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
-from deepinfer_vllm.ops.triton.stored_gemm import stored_config, stored_gemm  # noqa: E402
+from benchmarks.gpu.fp8_gemm import _read_launcher  # noqa: E402
+from deepinfer_vllm.ops.triton.stored_gemm import GEMV_ROWS, stored_config, stored_gemm  # noqa: E402
 
-SHAPES = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16)]
-DECODE_M = (1, 64, 256)
+SHAPES = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16), (64, 5120, torch.bfloat16)]
+DECODE_M = (1, 2, 64, 256)
 LARGE_M = 8192
 
 
@@ -33,6 +36,10 @@ def run(ceilings: Ceilings) -> list[Row]:
     rows = []
     for n, k, dtype in SHAPES:
         w = (torch.randn(n, k, device="cuda") * 0.02).to(dtype)
+        nbytes = n * k * w.element_size()
+        read = _read_launcher(w, torch.zeros(4, dtype=torch.uint8, device="cuda"))
+        t_read = time_s(read)
+        rows.append(Row(kernel="read weight", shape=f"N={n} K={k} {dtype}", seconds=t_read, bytes=nbytes))
         for m in (*DECODE_M, LARGE_M):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             t_ref = time_s(lambda: x.float() @ w.float().t())
@@ -49,6 +56,20 @@ def run(ceilings: Ceilings) -> list[Row]:
                     baseline_seconds=t_ref,
                 )
             )
+            if m <= GEMV_ROWS:  # the tensor-core kernel on the same call (the choice from 3 rows)
+                tc = stored_config(GEMV_ROWS + 1, n, k, dtype == torch.float32)
+                t_tc = time_s(lambda: stored_gemm(x, w, torch.float32, config=tc))
+                rows.append(
+                    Row(
+                        kernel=f"tensor cores W={str(dtype).removeprefix('torch.')}",
+                        shape=f"M={m} N={n} K={k} ({_cfg_name(tc)})",
+                        seconds=t_tc,
+                        bytes=n * k * w.element_size() + m * k * 2 + m * n * 4,
+                        flops=2 * m * n * k,
+                        baseline="fp32 matmul",
+                        baseline_seconds=t_ref,
+                    )
+                )
     return rows
 
 

@@ -321,7 +321,14 @@ class ExpertGrouping(_Bf16Kernels):
 
     def forward_triton(self, ids: torch.Tensor, experts: range, weights: torch.Tensor) -> Groups:
         if ids.numel() > self.kernels.MAX_PAIRS:
-            return self.forward_native(ids, experts, weights)
+            # The reference's grouping, with each pair's grouped row (the inverse of ``order``), so
+            # the expert sum reads the grouped output in place: at prefill, putting it back in pair
+            # order first (``in_pair_order``) moved [T * k, hidden] twice.
+            groups = self.forward_native(ids, experts, weights)
+            n = groups.order.numel()
+            position = torch.empty(n, dtype=torch.int32, device=ids.device)
+            position.scatter_(0, groups.order, torch.arange(n, dtype=torch.int32, device=ids.device))
+            return groups._replace(position=position)
         return Groups(*self.kernels.expert_groups(ids, experts, weights))
 
 
@@ -356,7 +363,10 @@ class SwiGlu(_Bf16Kernels):
     ``out_dtype``: ``(swiglu_clamped(gate, up, limit) * row_weight[:, None]).to(out_dtype)`` (the
     weight cast to the fp32 activation's dtype first), or one Triton launch reading ``gate`` and
     ``up`` through their strides (``ops/triton/swiglu.py``: bit-exact on the GPU). Gate/up of
-    dtypes other than bf16/fp16 (or of two dtypes), or other output dtypes, keep the reference."""
+    dtypes other than bf16/fp16 (or of two dtypes), or other output dtypes, keep the reference.
+    ``live_rows`` (a one-element integer tensor, e.g. a grouped GEMM's ``offsets[-1:]``): rows at or
+    past it need not be computed and their output is unspecified (the kernel leaves them unwritten;
+    the grouped GEMM that follows never reads them)."""
 
     name = "moe_swiglu"
     kernel_modules = {"triton": "deepinfer_vllm.ops.triton.swiglu"}
@@ -368,6 +378,7 @@ class SwiGlu(_Bf16Kernels):
         limit: float | None,
         row_weight: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.bfloat16,
+        live_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         act = swiglu_clamped(gate, up, limit)
         if row_weight is not None:
@@ -381,8 +392,9 @@ class SwiGlu(_Bf16Kernels):
         limit: float | None,
         row_weight: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.bfloat16,
+        live_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k = self.kernels
         if gate.dtype != up.dtype or gate.dtype not in k.IN_DTYPES or out_dtype not in k.OUT_DTYPES:
             return self.forward_native(gate, up, limit, row_weight, out_dtype)
-        return k.swiglu(gate, up, limit, row_weight, out_dtype)
+        return k.swiglu(gate, up, limit, row_weight, out_dtype, live_rows)

@@ -173,7 +173,10 @@ class RopeTail(KernelOp):
     family: the reference, or one kernel per call on Triton / ``torch_npu`` where ``x`` is
     ``[T, D]`` or ``[T, H, D]`` with one position per token (other shapes run the reference).
     ``qdq="mxfp4"``: the rotated rows' MXFP4 round trip follows (``quant.mxfp4_qdq``; the
-    indexer query), in the same kernel on Triton."""
+    indexer query), in the same kernel on Triton. ``in_place=True``: the result is written into
+    ``x`` and ``x`` returned (the Triton kernel then moves only the rotated tail, unless ``qdq``
+    rewrites every entry; for a caller that owns ``x``: at prefill the copy of the leading entries
+    was most of the operator's traffic)."""
 
     name = "rope_tail"
     family = "fused"
@@ -186,8 +189,9 @@ class RopeTail(KernelOp):
         cache: torch.Tensor,
         inverse: bool = False,
         qdq: str | None = None,
+        in_place: bool = False,
     ) -> torch.Tensor:
-        return _round_trip(apply_rope_tail(x, positions, cache, inverse=inverse), qdq)
+        return _written(x, _round_trip(apply_rope_tail(x, positions, cache, inverse=inverse), qdq), in_place)
 
     def forward_triton(
         self,
@@ -196,10 +200,11 @@ class RopeTail(KernelOp):
         cache: torch.Tensor,
         inverse: bool = False,
         qdq: str | None = None,
+        in_place: bool = False,
     ) -> torch.Tensor:
         if not (_fused_shape(x, positions) and _fused_round_trip(x, cache, qdq)):
-            return self.forward_native(x, positions, cache, inverse, qdq)
-        return self.kernels.rope_tail(x, positions, cache, inverse, qdq)
+            return self.forward_native(x, positions, cache, inverse, qdq, in_place)
+        return self.kernels.rope_tail(x, positions, cache, inverse, qdq, in_place=in_place)
 
     def forward_npu(
         self,
@@ -208,10 +213,16 @@ class RopeTail(KernelOp):
         cache: torch.Tensor,
         inverse: bool = False,
         qdq: str | None = None,
+        in_place: bool = False,
     ) -> torch.Tensor:
         if not _fused_shape(x, positions):
-            return self.forward_native(x, positions, cache, inverse, qdq)
-        return _round_trip(self.kernels.rope_tail(x, positions, cache, inverse), qdq)
+            return self.forward_native(x, positions, cache, inverse, qdq, in_place)
+        return _written(x, _round_trip(self.kernels.rope_tail(x, positions, cache, inverse), qdq), in_place)
+
+
+def _written(x: torch.Tensor, result: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``result``, or with ``in_place`` copied into ``x`` and ``x`` returned."""
+    return x.copy_(result) if in_place else result
 
 
 def _round_trip(x: torch.Tensor, qdq: str | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from conftest import INTERPRET, shapes
 
 from deepinfer_vllm.ops import quant, quant_gemm
-from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm
+from deepinfer_vllm.ops.triton.fp8_gemm import VENDOR_ROWS, fp8_block_decode, fp8_block_gemm
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq, mxfp8_quantize
 
 ACTS = ["bf16", "mxfp8"]
@@ -120,7 +120,10 @@ def test_fp8_gemm_matches_reference(device, act, out_dtype, m, n, k, cfg):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize(
     "m,groups,n_group,k",
-    shapes([(3, 2, 64, 96), (20, 4, 96, 64)], [(1, 8, 1024, 512), (64, 8, 1024, 512), (700, 16, 1024, 512)]),
+    shapes(
+        [(3, 2, 64, 96), (20, 4, 96, 64)],
+        [(1, 8, 1024, 512), (64, 8, 1024, 512), (700, 16, 1024, 512), (VENDOR_ROWS, 16, 1024, 512)],
+    ),
 )
 def test_fp8_gemm_grouped_matches_reference(device, act, m, groups, n_group, k):
     """Block-diagonal GEMM (the attention's grouped output projection): group ``g``'s
@@ -198,6 +201,44 @@ def test_gluon_fp8_gemm_every_byte(device, m):
         got = fp8_block_gemm(x, w, s, "bf16", out_dtype, config=cfg)
         ref = quant_gemm.fp8_block_gemm(x, w, s, "bf16", torch.float32)
         check(got, ref, x, quant.dequant_fp8_block(w, s))
+
+
+def test_fp8_block_decode_is_exact(device):
+    """Every finite e4m3 byte under scale bytes over the range (kept normal in bf16 under the
+    interpreter, whose bf16 casts mishandle subnormals): ``dequant_fp8_block`` rounded to bf16, bit
+    for bit."""
+    lo = 27 if INTERPRET else 0
+    scales = torch.arange(lo, 254, 4, dtype=torch.int32).to(torch.uint8)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.int32).to(torch.uint8)
+    w = torch.cat([finite, finite[:2]]).repeat(32 * scales.numel(), 1)  # [32 * S, 256]
+    s = scales.view(-1, 1).expand(-1, 8).contiguous()  # [S, 8]: one scale per 32 rows
+    w, s = w.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
+    got = fp8_block_decode(w.to(device), s.to(device)).cpu()
+    want = quant.dequant_fp8_block(w, s).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.skipif(INTERPRET, reason="cuBLAS needs a GPU")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,n,k", [(VENDOR_ROWS, 1792, 5120), (2048, 4608, 5120), (4096, 5120, 8192)])
+def test_prefill_rows_on_cublas_match_reference(device, act, m, n, k):
+    """From ``VENDOR_ROWS`` rows (bf16 out): the decoded weight on cuBLAS, within the kernels' bound,
+    repeatable, and the caller's reduced-precision setting left as it was."""
+    w, s = make_weight(n, k, seed=n + k, device=device)
+    x = make_x(m, k, seed=m, device=device)
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = True
+    try:
+        got = fp8_block_gemm(x, w, s, act)
+        assert flags.allow_bf16_reduced_precision_reduction
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = before
+    ref = quant_gemm.fp8_block_gemm(x, w, s, act, torch.float32)
+    check(got, ref, quant_gemm.activations(x, act), quant.dequant_fp8_block(w, s))
+    assert torch.equal(got.view(torch.int16), fp8_block_gemm(x, w, s, act).view(torch.int16))
+    triton_path = fp8_block_gemm(x, w, s, act, config=dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3))
+    assert (triton_path == got).float().mean().item() > 0.99  # the same products, another summation order
 
 
 @pytest.mark.parametrize("act", ACTS)

@@ -17,7 +17,10 @@ from deepinfer_vllm.ops.rope import apply_rope_tail, build_rope_cache
 from deepinfer_vllm.ops.triton.rope import rope_tail
 from tests.ops.test_rope_triton import mxfp4_edge_rows
 
-CASES = shapes([((5, 32), 16), ((7, 3, 48), 16), ((2, 17, 64), 64)], [((64, 64, 512), 64), ((300, 512), 64)])
+CASES = shapes(
+    [((5, 32), 16), ((7, 3, 48), 16), ((2, 17, 64), 64), ((4, 3, 49), 16)],  # 49: pairs not word-aligned
+    [((64, 64, 512), 64), ((300, 512), 64)],
+)
 
 
 @pytest.mark.parametrize("inverse", [False, True])
@@ -32,6 +35,26 @@ def test_rope_tail_matches_reference(device, shape, rotary, inverse):
     nope = shape[-1] - rotary
     assert torch.equal(got[..., :nope], want[..., :nope])
     assert_within_one_ulp(got, want)
+
+
+@pytest.mark.parametrize("qdq", [None, "mxfp4"])
+@pytest.mark.parametrize(
+    "shape,rotary", shapes([((4, 3, 64), 32)], [((64, 64, 512), 64), ((300, 64, 128), 64)])
+)
+def test_rope_tail_in_place_equals_out_of_place(device, shape, rotary, qdq):
+    """``in_place`` writes the same bits into ``x`` (leading entries untouched without ``qdq``)."""
+    cache = build_rope_cache(rotary, 4096, 10000.0).to(device)
+    x = mxfp4_edge_rows(shape, sum(shape) + 5).to(device)
+    pos = torch.randint(0, 4096, shape[:1], generator=torch.Generator().manual_seed(3)).to(device)
+    want = rope_tail(x, pos, cache, qdq=qdq)
+    y = x.clone()
+    got = rope_tail(y, pos, cache, qdq=qdq, in_place=True)
+    assert got.data_ptr() == y.data_ptr()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    strided = torch.zeros(shape[0], 2 * shape[1], shape[2], dtype=x.dtype, device=device)[:, ::2]
+    strided.copy_(x)
+    rope_tail(strided, pos, cache, inverse=True, in_place=True)
+    assert torch.equal(strided.view(torch.int16), rope_tail(x, pos, cache, inverse=True).view(torch.int16))
 
 
 def test_rope_tail_fp32_and_strided(device):

@@ -30,6 +30,8 @@ CONFIGS = [
     dict(BM=32, BN=64, BK=64, SPLIT=1, num_warps=4),
     dict(BM=16, BN=64, BK=64, SPLIT=16, num_warps=4),
     dict(BM=32, BN=32, BK=32, SPLIT=2, num_warps=4),  # split K added by splitk_reduce
+    dict(GEMV=True, BN=16, BK=64, SPLIT=7, num_warps=4),  # the CUDA-core path, split K, up to 2 rows
+    dict(BM=16, BN=64, BK=64, SPLIT=16, num_warps=4),  # the tensor cores at 1-2 rows
 ]
 
 
@@ -76,10 +78,13 @@ F32, BF16 = torch.float32, torch.bfloat16
         [
             (m, n, k, dt, c)
             for dt in (F32, BF16)
-            for m, n, k, c in [(1, 64, 128, 0), (7, 96, 256, 1), (40, 64, 96, 2), (17, 32, 256, 3)]
+            for m, n, k, c in [
+                (1, 64, 128, 0), (7, 96, 256, 1), (40, 64, 96, 2), (17, 32, 256, 3), (2, 40, 192, 5)
+            ]
         ],
-        [(m, n, k, dt, 0) for n, k, dt in RELEASE for m in (1, 7, 64, 256, 8192)]
-        + [(77, 512, 5120, F32, 1), (5, 512, 5120, F32, 3), (300, 384, 5120, BF16, 1)],
+        [(m, n, k, dt, 0) for n, k, dt in RELEASE for m in (1, 2, 4, 7, 64, 256, 8192)]
+        + [(77, 512, 5120, F32, 1), (5, 512, 5120, F32, 3), (300, 384, 5120, BF16, 1)]
+        + [(m, n, k, dt, c) for n, k, dt in RELEASE for m in (1, 2) for c in (5, 6)],
     ),
 )
 def test_stored_gemm_matches_fp64(device, out_dtype, m, n, k, w_dtype, cfg):
@@ -103,10 +108,13 @@ def test_stored_gemm_one_hot_rows_are_exact(device, n, k, w_dtype):
     x = torch.zeros(m, k)
     x[torch.arange(m), cols] = scale
     x = x.to(torch.bfloat16).to(device)
+    want = (w.t()[cols.to(device)].float() * scale.to(device)[:, None]).float()
     for cfg in (None, CONFIGS[1]):
         got = stored_gemm(x, w, torch.float32, config=cfg)
-        want = (w.t()[cols.to(device)].float() * scale.to(device)[:, None]).float()
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for rows in (1, 2):  # the CUDA-core path (default up to 2 rows)
+        got = stored_gemm(x[:rows], w, torch.float32)
+        assert torch.equal(got.view(torch.int32), want[:rows].view(torch.int32))
 
 
 @pytest.mark.parametrize("k", shapes([256], [5120]))
@@ -128,6 +136,10 @@ def test_stored_gemm_exact_sums_are_exact(device, k):
     for cfg in (None, CONFIGS[1], CONFIGS[3]):
         got = stored_gemm(x, w, torch.float32, config=cfg)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for rows in range(0, m, 2):  # the CUDA-core path, two rows at a time
+        for cfg in (None, CONFIGS[5]):
+            got = stored_gemm(x[rows : rows + 2], w, torch.float32, config=cfg)
+            assert torch.equal(got.view(torch.int32), want[rows : rows + 2].view(torch.int32))
 
 
 def test_stored_gemm_special_values(device):
@@ -140,6 +152,10 @@ def test_stored_gemm_special_values(device):
     x = make_x(3, k, seed=7, device=device)
     x[2, 5] = 0.0
     got = stored_gemm(x, w, torch.float32)
+    for rows in (slice(0, 2), slice(2, 3)):  # the CUDA-core path and the tensor cores agree on them
+        gemv = stored_gemm(x[rows], w, torch.float32, config=CONFIGS[5])
+        assert torch.equal(gemv.isnan(), stored_gemm(x[rows], w, torch.float32, config=CONFIGS[6]).isnan())
+        assert torch.equal(gemv.isnan(), got[rows].isnan())
     want = (x.float() @ w.t()).cpu()
     got = got.cpu()
     assert torch.equal(got[:, :3].isnan(), want[:, :3].isnan())
@@ -165,7 +181,7 @@ def test_stored_gemm_refuses_bad_inputs(device):
 @pytest.mark.parametrize("n,k,w_dtype", shapes([(64, 256, torch.float32)], RELEASE))
 def test_stored_gemm_deterministic(device, n, k, w_dtype):
     w = make_weight(n, k, w_dtype, seed=12, device=device)
-    for m in (1, 9) if INTERPRET else (1, 64, 256, 8192):
+    for m in (1, 2, 9) if INTERPRET else (1, 2, 64, 256, 8192):
         x = make_x(m, k, seed=13, device=device)
         a = stored_gemm(x, w, torch.float32)
         b = stored_gemm(x, w, torch.float32)
@@ -174,7 +190,7 @@ def test_stored_gemm_deterministic(device, n, k, w_dtype):
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("n,k,w_dtype", RELEASE)
-@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("m", [1, 2, 64, 256])
 def test_stored_gemm_cuda_graph(device, n, k, w_dtype, m):
     w = make_weight(n, k, w_dtype, seed=14, device=device)
     x_static = make_x(m, k, seed=15, device=device)

@@ -124,6 +124,17 @@ def test_every_element_is_written(reference_mode, device):
     assert torch.equal(got, reference(gate, up, LIMIT))
 
 
+@pytest.mark.parametrize("live", [0, 1, 17, 37, 50])
+def test_live_rows_only(live, reference_mode, device):
+    """``live_rows``: the rows before it bit for bit as without it (the rest are unspecified)."""
+    _, gate, up = gate_up(37, 300, device, seed=6)
+    w = torch.rand(37, device=device)
+    want = reference(gate, up, LIMIT, w)
+    got = kernel.swiglu(gate, up, LIMIT, w, live_rows=torch.tensor([live], device=device))
+    n = min(live, 37)
+    assert torch.equal(got[:n].view(torch.int16), want[:n].view(torch.int16))
+
+
 def test_plain_cpu_reference_within_one_ulp(device):
     """Against the default reference (on the CPU: torch's SIMD SiLU for most elements)."""
     T, W = (64, 2048) if not INTERPRET else (16, 512)

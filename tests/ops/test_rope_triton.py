@@ -57,6 +57,21 @@ def test_fused_round_trip_is_bit_exact(K, shape, rotary):
     assert set(codes.unique().tolist()) >= {0, 1, 8}  # zeros, the smallest code, negative zero
 
 
+@pytest.mark.parametrize("qdq", [None, "mxfp4"])
+def test_in_place_writes_the_same_bits(K, qdq):
+    cache = build_rope_cache(32, 512, 10000.0)
+    x = mxfp4_edge_rows((3, 2, 96), 9)
+    pos = torch.randint(0, 512, (3,), generator=torch.Generator().manual_seed(4))
+    want = K.rope_tail(x, pos, cache, qdq=qdq)
+    y = x.clone()
+    assert K.rope_tail(y, pos, cache, qdq=qdq, in_place=True) is y
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+    op = RopeTail("cpu", torch.bfloat16)  # the reference op: the same contract
+    z = x.clone()
+    assert op(z, pos, cache, False, qdq, True) is z
+    assert torch.equal(z, op(x, pos, cache, False, qdq))
+
+
 def test_reference_op_is_rope_then_mxfp4_qdq():
     """``RopeTail`` built for the CPU runs the reference: the rotation, then ``quant.mxfp4_qdq``."""
     op = RopeTail(torch.device("cpu"), torch.float32)

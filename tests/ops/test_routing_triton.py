@@ -240,11 +240,13 @@ def test_grouping_above_the_bound_keeps_the_torch_sort(R, monkeypatch):
     tri = _ops(monkeypatch, "triton", torch.bfloat16)
     g = torch.Generator().manual_seed(10)
     T, k = R.MAX_PAIRS // 8 + 1, 8
-    ids = torch.randint(0, 16, (T, k), generator=g)
+    ids = torch.randint(0, 24, (T, k), generator=g)  # experts 16..23 are another rank's
     groups = tri[1](ids, range(0, 16), torch.rand(T, k, generator=g))
-    assert groups.position is None  # the reference's grouping; the sum scatters the rows back
     order, _ = moe.expert_groups(ids, range(0, 16))
-    assert torch.equal(groups.order, order)
+    assert torch.equal(groups.order, order)  # the reference's grouping
+    # with each pair's grouped row, so the sum reads the grouped rows in place
+    assert groups.position.dtype == torch.int32
+    assert torch.equal(groups.position[order].long(), torch.arange(T * k))
     down = torch.randn(T * k, 8, generator=g).bfloat16()
     per_pair = torch.empty_like(down).index_copy_(0, order, down)
     want = moe.sum_in_expert_order(per_pair.view(T, k, 8).float(), ids, torch.bfloat16)

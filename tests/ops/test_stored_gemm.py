@@ -90,7 +90,10 @@ def _check(got, x, w):
 @pytest.mark.parametrize(
     "m,n,k,cfg",
     [
-        (1, 64, 128, None),
+        (1, 64, 128, None),  # the CUDA-core path (up to GEMV_ROWS rows)
+        (2, 40, 256, dict(GEMV=True, BN=16, BK=32, SPLIT=3, num_warps=4)),  # its split K, a partial row tile
+        (2, 64, 160, dict(GEMV=True, BN=32, BK=64, SPLIT=1, num_warps=4)),
+        (1, 64, 128, dict(BM=16, BN=64, BK=64, SPLIT=2, num_warps=4)),  # tensor cores at one row
         (9, 96, 160, dict(BM=16, BN=32, BK=32, SPLIT=3, num_warps=4)),  # split K added by the last program
         (20, 32, 64, dict(BM=32, BN=32, BK=32, SPLIT=2, num_warps=4)),  # split K added by splitk_reduce
     ],
@@ -116,6 +119,16 @@ def test_one_hot_rows_are_exact(K):
     x[torch.arange(m), cols] = scale
     got = K.stored_gemm(x.to(torch.bfloat16), w, torch.float32)
     assert torch.equal(got, w.t()[cols] * scale[:, None])
+    got = K.stored_gemm(x[:2].to(torch.bfloat16), w, torch.float32)  # the CUDA-core path
+    assert torch.equal(got, w.t()[cols[:2]] * scale[:2, None])
+
+
+def test_gemv_path_is_chosen_and_refuses_more_rows(K):
+    assert K.stored_config(K.GEMV_ROWS, 512, 5120, True).get("GEMV")
+    assert not K.stored_config(K.GEMV_ROWS + 1, 512, 5120, True).get("GEMV")
+    w, x = torch.randn(32, 64), torch.randn(K.GEMV_ROWS + 1, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="at most"):
+        K.stored_gemm(x, w, config=dict(GEMV=True, BN=32, BK=64, SPLIT=1, num_warps=4))
 
 
 def test_stored_gemm_op_triton_path(K):

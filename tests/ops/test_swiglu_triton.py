@@ -122,6 +122,14 @@ def test_strides_dtypes_and_shapes(K, scalar_silu):
         K.swiglu(gate, up[:, :39], LIMIT)
 
 
+def test_live_rows(K, scalar_silu):
+    gate, up = _gate_up(9, 40, seed=4)
+    ref = moe.SwiGlu("cpu", torch.bfloat16).forward_native(gate, up, LIMIT)
+    for live in (0, 4, 9, 12):
+        got = K.swiglu(gate, up, LIMIT, live_rows=torch.tensor([live]))
+        assert torch.equal(_bits(got[:live]), _bits(ref[:live]))
+
+
 def test_plain_reference_within_one_ulp(K):
     T, W = 16, 512
     gate, up = _gate_up(T, W, seed=11)

@@ -170,9 +170,14 @@ class V41Attention(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def _rope(
-        self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False, qdq: str | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inverse: bool = False,
+        qdq: str | None = None,
+        in_place: bool = False,
     ) -> torch.Tensor:
-        return self.rope_tail(x, positions, self.rope_cache, inverse, qdq)
+        return self.rope_tail(x, positions, self.rope_cache, inverse, qdq, in_place)
 
     def _store(
         self,
@@ -197,9 +202,9 @@ class V41Attention(nn.Module):
 
         c_q = self.q_norm(self.wq_a(x))
         q = self.wq_b(c_q).view(T, self.num_local_heads, a.head_dim)
-        q = self._rope(q, pos)
+        q = self._rope(q, pos, in_place=True)  # q, kv, o and the index query are this layer's own
         kv = self.kv_norm(self.wkv(x))
-        kv = self._rope(kv, pos)
+        kv = self._rope(kv, pos, in_place=True)
 
         if state.has_caches:
             o = self._attend(x, c_q, q, kv, state, write_compressed)
@@ -207,7 +212,7 @@ class V41Attention(nn.Module):
             # Profiling / dummy run: each token attends to its own key only.
             ones = torch.ones(T, 1, dtype=torch.bool, device=x.device)
             o = sparse_attention(q, kv.unsqueeze(1), ones, self.attn_sink, a.head_dim**-0.5)
-        o = self._rope(o, pos, inverse=True)
+        o = self._rope(o, pos, inverse=True, in_place=True)
         return self.wo_b(self._grouped_wo_a(o.reshape(T, self.num_local_groups, -1)))
 
     def _grouped_wo_a(self, group_in: torch.Tensor) -> torch.Tensor:
@@ -325,7 +330,7 @@ class V41Attention(nn.Module):
         idx = self.indexer
         pos = state.positions
         qi = linear(idx.wq_b, c_q).view(T, a.index_n_heads, a.index_head_dim)
-        qi = self._rope(qi, pos, qdq="mxfp4")  # rotated, then its MXFP4 round trip (one kernel)
+        qi = self._rope(qi, pos, qdq="mxfp4", in_place=True)  # rotated, then its MXFP4 round trip
         # DeepInfer drops the 1/sqrt(dk * heads) weight scale: it is 2^-6 for
         # Flash's shapes, so dropping it cannot change any comparison.
         w = linear(idx.weights_proj, x)

@@ -268,8 +268,9 @@ class RoutedExperts(nn.Module):
         gemm = self.grouped_gemm
         gate_up = gemm(x, groups.offsets, self.w13, self.w13_scale, x.dtype, rows=groups.rows)
         gate, up = gate_up.split(self.width, dim=-1)
-        act = self.swiglu(gate, up, limit, groups.weights, x.dtype)
-        # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero.
+        # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero, the
+        # activation leaves them uncomputed (the down projection reads no row past offsets[-1]).
+        act = self.swiglu(gate, up, limit, groups.weights, x.dtype, groups.offsets[-1:])
         down = gemm(act, groups.offsets, self.w2, self.w2_scale, acc if self.split else x.dtype)
         if self.split or self.per_pair:
             per_pair = groups.in_pair_order(down)

@@ -15,6 +15,13 @@ added in a fixed order (deterministic): by each tile's last program up to ``FIXU
 (``splitk.split_fixup``, one launch), else by ``splitk_reduce``. Output rounding to
 bf16 is done on the bits (round to nearest even), identical on GPU and interpreter.
 No host synchronisation: capturable in a CUDA graph.
+
+Prefill-sized calls (at least ``VENDOR_ROWS`` rows, bf16 out; one product per group) decode the weight
+to a bf16 copy once (``fp8_block_decode``: exact, the same values the kernel decodes per tile) and
+multiply it on cuBLAS with fp32 accumulation (reduced-precision reductions switched off for the call):
+the same exact products summed in cuBLAS's order. Measured on the H200 at M = 2048-8192 on Flash's
+shapes: 643-835 TFLOP/s against 221-425 for the Triton kernel (benchmarks/README.md, "Dense FP8 GEMM
+in prefill"); the bf16 copy is transient (2 bytes per weight).
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ from deepinfer_vllm.ops.triton.splitk import (
     store_out,
 )
 
-__all__ = ["ACT_MODES", "MAX_SCALE_BYTE", "fp8_block_gemm", "pick_config"]
+__all__ = ["ACT_MODES", "MAX_SCALE_BYTE", "VENDOR_ROWS", "fp8_block_decode", "fp8_block_gemm", "pick_config"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_MODES = ("bf16", "mxfp8")
+VENDOR_ROWS = 1024  # from this many rows: the weight decoded to bf16 once, the product on cuBLAS (docstring)
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -206,6 +214,52 @@ def gemm_activations(x: torch.Tensor, act: str) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
+@triton.jit
+def _fp8_decode_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s, BN: tl.constexpr, BK: tl.constexpr):
+    """``out[n, k] = e4m3(w[n, k]) * 2^(s[n // 32, k // 32] - 127)`` as bf16 (exact: the tile decode)."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = (n < N)[:, None] & (k < K)[None, :]
+    rows = n.to(tl.int64)[:, None]
+    b = tl.load(w_ptr + rows * stride_w + k[None, :], mask=m, other=0)
+    sc = tl.load(s_ptr + (rows // 32) * stride_s + (k // 32)[None, :], mask=m, other=0)
+    tl.store(out_ptr + rows * K + k[None, :], (e4m3_f32(b) * ue8m0(sc, 0)).to(tl.bfloat16), mask=m)
+
+
+def fp8_block_decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bf16 values ``[N, K]`` of an e4m3 ``weight`` with UE8M0 32x32 ``scale`` (the GEMM kernels' decode;
+    ``quant.dequant_fp8_block`` rounded to bf16, exact for the scales the kernels take)."""
+    w, s = weight_bytes(weight, scale)
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
+    if n and k:
+        _fp8_decode_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](
+            w, s, out, n, k, w.stride(0), s.stride(0), BN=32, BK=256, num_warps=4
+        )
+    return out
+
+
+def _vendor_gemm(
+    xv: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """``out = xv @ decode(W).T`` on cuBLAS, fp32 accumulation (no reduced-precision reductions), bf16 out;
+    ``groups > 1``: one product per group, each reading its columns of ``xv`` and writing its columns of
+    ``out`` in place (strided operands, no copies)."""
+    wb = fp8_block_decode(weight, scale)
+    n, k = wb.shape
+    ng = n // groups
+    flags = torch.backends.cuda.matmul
+    reduced = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        for g in range(groups):
+            cols, rows = slice(g * k, (g + 1) * k), slice(g * ng, (g + 1) * ng)
+            torch.mm(xv[:, cols], wb[rows].t(), out=out[:, rows])
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = reduced
+    return out
+
+
 def fp8_block_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -243,6 +297,8 @@ def fp8_block_gemm(
         return out
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
+    if config is None and m >= VENDOR_ROWS and out_dtype == torch.bfloat16 and x.is_cuda:
+        return _vendor_gemm(xv, w, s, out, groups)
     if config is not None and "BT" in config or (
         config is None and out_dtype in (torch.float32, torch.bfloat16) and gluon_fp8_supported(xv, w, s, groups)
     ):

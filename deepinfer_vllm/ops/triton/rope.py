@@ -5,7 +5,9 @@ reference ``ops.quant.mxfp4_qdq(apply_rope_tail(...))``).
 The reference is a dozen small kernels per call (gather, slices, four products, stack,
 cast, concatenation) and the attention calls it six times per layer. Here one program per
 token and block of heads reads the position's cos/sin row once, rotates the GPT-J pairs of
-the last ``rotary_dim`` entries in fp32, rounds once and copies the leading entries.
+the last ``rotary_dim`` entries in fp32, rounds once and copies the leading entries (none
+``in_place``). A bf16 pair is one aligned 4-byte word, read and written as one (two 2-byte
+accesses per pair measured 2-8x slower on the H200 at prefill: benchmarks/README.md).
 The products may be fused into FMAs, so a rotated entry can differ from the reference in
 its last fp32 bit before the rounding (``tests/gpu/test_rope.py`` states the tolerance).
 
@@ -74,6 +76,8 @@ def _rope_tail_kernel(
     D,
     x_stride_t,
     x_stride_h,
+    out_stride_t,
+    out_stride_h,
     SIGN: tl.constexpr,  # +1 forward, -1 inverse rotation
     HALF: tl.constexpr,
     BH: tl.constexpr,
@@ -81,6 +85,8 @@ def _rope_tail_kernel(
     OUT_BF16: tl.constexpr,
     FLOOR_BITS: tl.constexpr,  # fp32 bits of MXFP4's amax floor
     QDQ: tl.constexpr,  # MXFP4 round trip of every 32-entry block after the rotation
+    COPY_LEAD: tl.constexpr,  # copy the leading entries unchanged (False: out is x, in place)
+    PAIR32: tl.constexpr,  # bf16 with every pair 4-byte aligned in x and out: pairs as int32 words
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -90,11 +96,16 @@ def _rope_tail_kernel(
     cos = tl.load(cache_ptr + p * (2 * HALF) + i)[None, :]
     sin = tl.load(cache_ptr + p * (2 * HALF) + HALF + i)[None, :] * SIGN
     src = x_ptr + t * x_stride_t + h.to(tl.int64)[:, None] * x_stride_h
-    dst = out_ptr + (t * H + h.to(tl.int64)[:, None]) * D
+    dst = out_ptr + t * out_stride_t + h.to(tl.int64)[:, None] * out_stride_h
     nope = D - 2 * HALF
     m2 = hm[:, None] & (i >= 0)[None, :]
-    a = _widen(tl.load(src + nope + 2 * i[None, :], mask=m2, other=0), OUT_BF16)
-    b = _widen(tl.load(src + nope + 2 * i[None, :] + 1, mask=m2, other=0), OUT_BF16)
+    if PAIR32:  # bf16: a pair is one 4-byte word (a in the low half), one load and one store per pair
+        word = tl.load((src + nope).to(tl.pointer_type(tl.int32)) + i[None, :], mask=m2, other=0)
+        a = (word << 16).to(tl.float32, bitcast=True)
+        b = (word & -65536).to(tl.float32, bitcast=True)
+    else:
+        a = _widen(tl.load(src + nope + 2 * i[None, :], mask=m2, other=0), OUT_BF16)
+        b = _widen(tl.load(src + nope + 2 * i[None, :] + 1, mask=m2, other=0), OUT_BF16)
     ra = _narrow(a * cos - b * sin, OUT_BF16)
     rb = _narrow(a * sin + b * cos, OUT_BF16)
     if QDQ:
@@ -106,8 +117,12 @@ def _rope_tail_kernel(
         e_tail = _pow2_exponent(amax, FLOOR_BITS, 6.0)[:, :, None]
         ra = tl.reshape(_mxfp4_round_trip(ra3, e_tail), [BH, HALF])
         rb = tl.reshape(_mxfp4_round_trip(rb3, e_tail), [BH, HALF])
-    tl.store(dst + nope + 2 * i[None, :], _bits(ra, OUT_BF16), mask=m2)
-    tl.store(dst + nope + 2 * i[None, :] + 1, _bits(rb, OUT_BF16), mask=m2)
+    if PAIR32:
+        pair = ((ra.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | (rb.to(tl.int32, bitcast=True) & -65536)
+        tl.store((dst + nope).to(tl.pointer_type(tl.int32)) + i[None, :], pair, mask=m2)
+    else:
+        tl.store(dst + nope + 2 * i[None, :], _bits(ra, OUT_BF16), mask=m2)
+        tl.store(dst + nope + 2 * i[None, :] + 1, _bits(rb, OUT_BF16), mask=m2)
     if QDQ:
         c32 = tl.arange(0, 32)
         for c0 in range(0, nope, 32):
@@ -115,11 +130,17 @@ def _rope_tail_kernel(
             v = _widen(tl.load(src + c0 + c32[None, :], mask=cm, other=0), OUT_BF16)
             e_lead = _pow2_exponent(tl.max(tl.abs(v), axis=1), FLOOR_BITS, 6.0)[:, None]
             tl.store(dst + c0 + c32[None, :], _bits(_mxfp4_round_trip(v, e_lead), OUT_BF16), mask=cm)
-    else:
+    elif COPY_LEAD:
         c = tl.arange(0, BD)
         for c0 in range(0, nope, BD):
             cm = hm[:, None] & (c0 + c < nope)[None, :]
             tl.store(dst + c0 + c[None, :], tl.load(src + c0 + c[None, :], mask=cm), mask=cm)
+
+
+def _words_aligned(x3: torch.Tensor, out: torch.Tensor, nope: int) -> bool:
+    """Whether every rotated pair of ``x3`` and ``out`` ([T, H, D], 2-byte entries) starts 4-byte aligned."""
+    even = all(v % 2 == 0 for v in (*x3.stride()[:2], *out.stride()[:2], nope))
+    return even and x3.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0
 
 
 def rope_tail(
@@ -128,10 +149,12 @@ def rope_tail(
     cache: torch.Tensor,
     inverse: bool = False,
     qdq: str | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """``apply_rope_tail`` for ``x [T, D]`` or ``[T, H, D]`` with one position per token
-    (``positions [T]``); a new tensor in ``x.dtype``. ``qdq="mxfp4"``: then the MXFP4 round trip
-    of every head (``quant.mxfp4_qdq``; D and the rotated tail multiples of 32)."""
+    (``positions [T]``); a new tensor in ``x.dtype``, or with ``in_place`` written into ``x`` (then
+    only the rotated tail moves unless ``qdq`` rewrites every entry). ``qdq="mxfp4"``: then the
+    MXFP4 round trip of every head (``quant.mxfp4_qdq``; D and the rotated tail multiples of 32)."""
     if qdq not in QDQ_FORMATS:
         raise ValueError(f"qdq must be one of {QDQ_FORMATS}, got {qdq!r}")
     if x.dim() not in (2, 3) or positions.shape != x.shape[:1]:
@@ -149,9 +172,11 @@ def rope_tail(
         raise ValueError(f"the MXFP4 round trip needs D ({D}) and rotary_dim ({rotary}) multiples of 32")
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     if x3.stride(-1) != 1:
+        if in_place:
+            return x.copy_(rope_tail(x, positions, cache, inverse, qdq))
         x3 = x3.contiguous()
     T, H, _ = x3.shape
-    out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    out = x3 if in_place else torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T and H:
         bh = min(16, triton.next_power_of_2(H))
         bf16 = x.dtype == torch.bfloat16
@@ -164,6 +189,8 @@ def rope_tail(
             D,
             x3.stride(0),
             x3.stride(1),
+            out.stride(0),
+            out.stride(1),
             SIGN=-1.0 if inverse else 1.0,
             HALF=rotary // 2,
             BH=bh,
@@ -171,7 +198,9 @@ def rope_tail(
             OUT_BF16=x.dtype == torch.bfloat16,
             FLOOR_BITS=_FLOOR_BITS,
             QDQ=qdq is not None,
+            COPY_LEAD=not in_place,
+            PAIR32=bf16 and _words_aligned(x3, out, D - rotary),
             num_warps=4,
             **_LAUNCH,
         )
-    return out.view(x.shape)
+    return x if in_place else out.view(x.shape)

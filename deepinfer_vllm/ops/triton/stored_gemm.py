@@ -29,6 +29,14 @@ fp32 workspace added in a fixed order (deterministic: by each tile's last progra
 ``splitk.FIXUP_ROWS`` rows, ``split_fixup``, else by ``splitk_reduce``); output rounded once,
 on the bits. Tile and split from shapes only; no host synchronisation
 (capturable in a CUDA graph). Triton's interpreter multiplies the bf16 parts as fp32 (exact).
+
+One or two rows (``GEMV_ROWS``: a decode step of one or two tokens) run on CUDA cores instead
+(``_stored_gemv_kernel``): each weight is read once and multiplied in fp32 by every row of x
+held in registers (the product exact or fused into the sum's one rounding: within the same
+bound, bit-exact where every partial sum is representable), K split over up to 8 programs per
+SM, the lanes summed by a fixed tree. Measured on the H200 (benchmarks/README.md, "The layer
+step, third session"): 7.8 against 10.6 us for the fp32 ``[512, 5120]`` at one row, where a
+plain reader of the same 10.5 MB takes 5.3 us; from three rows the tensor cores are as fast.
 """
 
 from __future__ import annotations
@@ -49,10 +57,11 @@ from deepinfer_vllm.ops.triton.splitk import (
     splitk_reduce,
 )
 
-__all__ = ["bf16x3", "dot_bf16", "split_bf16x3", "stored_config", "stored_gemm", "widen_bf16"]
+__all__ = ["bf16x3", "dot_bf16", "gemv_config", "split_bf16x3", "stored_config", "stored_gemm", "widen_bf16"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPLIT = 16  # K splits of a decode-sized call (the compressor's N = 512 is 4 row tiles)
+GEMV_ROWS = 2  # calls of at most this many rows run on CUDA cores (``_stored_gemv_kernel``)
 
 
 # --------------------------------------------------------------------------- the split
@@ -176,15 +185,80 @@ def _stored_gemm_kernel(
     )
 
 
+@triton.jit
+def _stored_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    part_ptr,  # SPLIT > 1: fp32 partials [SPLIT, M, N], added by each tile's last program
+    counter_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,
+    BM: tl.constexpr,  # every row of x (M <= BM <= GEMV_ROWS)
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    W_F32: tl.constexpr,
+):
+    """A few rows of x on CUDA cores: each program streams ``BN`` weight rows over its K split once,
+    multiplying every row of x held in registers; one fp32 accumulator per (weight row, x row, K
+    lane), summed over the lanes by a fixed tree at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BN, BM, BK], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < k_hi
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & kmask[None, :], other=0.0)
+        if not W_F32:
+            w = widen_bf16(w)
+        xv = widen_bf16(tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0))
+        acc += w[:, None, :] * xv[None, :, :]
+    total = tl.sum(acc, axis=2)
+    omask = n_mask[:, None] & m_mask[None, :]
+    store_tile(
+        out_ptr, total, offs_m, offs_n, omask, pid_k, M, N, stride_om, SPLIT, OUT_KIND, part_ptr, counter_ptr,
+        pid_n,
+    )
+
+
 # --------------------------------------------------------------------------- wrapper
 
 
+def gemv_config(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """The CUDA-core path's tiles (``m <= GEMV_ROWS``): 16 weight rows x 256 columns per step, K
+    split until about 8 programs per SM (one row of x) or 2 (two rows) have work. Measured on the
+    H200 against 16-64 rows, 64-256 columns and 2-8 programs per SM (benchmarks/README.md, "The
+    layer step, third session")."""
+    cfg = dict(GEMV=True, BN=16, BK=256, num_warps=4, num_stages=3)
+    programs = (8 if m == 1 else 2) * sms
+    cfg["SPLIT"] = max(1, min(triton.cdiv(k, cfg["BK"]), triton.cdiv(programs, triton.cdiv(n, cfg["BN"]))))
+    return cfg
+
+
 def stored_config(m: int, n: int, k: int, w_fp32: bool, sms: int = 132) -> dict:
-    """Tiles and K splits from shapes only: ``fp8_gemm.pick_config``'s tiles, the K tile at most
+    """Tiles and K splits from shapes only: up to ``GEMV_ROWS`` rows the CUDA-core kernel
+    (``gemv_config``); else ``fp8_gemm.pick_config``'s tiles, the K tile at most
     64 for an fp32 weight (its stages stay in shared memory) and 128-row tiles from M = 1024
     (three A operands and the accumulator stay in registers); K split into up to ``MAX_SPLIT``
     parts until about two programs per SM have work, the row tile halved to 64 first where
     the weight has few rows (the compressor's 512)."""
+    if m <= GEMV_ROWS:
+        return gemv_config(m, n, k, sms)
     cfg = pick_config(m, n, k, sms=sms)
     cfg.pop("SPLIT")
     if w_fp32:
@@ -234,15 +308,23 @@ def stored_gemm(
         dict(config) if config else stored_config(m, n, k, w_fp32, sms=sm_count(x.device)), k
     )
     kind = OUT_KINDS[out.dtype]
-    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
+    if cfg.pop("GEMV", False):
+        if m > GEMV_ROWS:
+            raise ValueError(f"the CUDA-core path takes at most {GEMV_ROWS} rows, got {m}")
+        kernel, cfg["BM"] = _stored_gemv_kernel, triton.next_power_of_2(m)
+        grid = (triton.cdiv(n, cfg["BN"]), split)
+    else:
+        kernel = _stored_gemm_kernel
+        cfg["F32_DOT"] = _INTERPRET
+        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     fixup = split > 1 and cfg["BM"] <= FIXUP_ROWS
-    _stored_gemm_kernel[grid](
+    kernel[grid](
         x,
         weight,
         part if split > 1 and not fixup else (out.view(torch.int16) if kind == 1 else out),
         part,
-        split_counters(x.device, grid[0] * grid[1]) if fixup else None,
+        split_counters(x.device, grid[0] * (grid[1] if len(grid) == 3 else 1)) if fixup else None,
         m,
         n,
         k,
@@ -253,7 +335,6 @@ def stored_gemm(
         SPLIT=split,
         OUT_KIND=kind,
         W_F32=w_fp32,
-        F32_DOT=_INTERPRET,
         **cfg,
     )
     if split > 1 and not fixup:

@@ -98,19 +98,26 @@ def _swiglu_kernel(
     stride_uc,
     stride_w,
     limit,
+    live_ptr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     IN_BF16: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    HAS_LIVE: tl.constexpr,  # rows at or past *live_ptr are not computed
 ):
     """Rows ``pid0 * BLOCK_R ...``, columns ``pid1 * BLOCK_W ...`` of the activation."""
+    n_rows = N
+    if HAS_LIVE:
+        n_rows = tl.minimum(tl.load(live_ptr).to(tl.int32), N)
+    if tl.program_id(0) * BLOCK_R >= n_rows:
+        return
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     rows = r.to(tl.int64)[:, None]
     cols = c[None, :]
-    m = (r < N)[:, None] & (cols < W)
+    m = (r < n_rows)[:, None] & (cols < W)
     g = _widen(tl.load(gate_ptr + rows * stride_gr + cols * stride_gc, mask=m, other=0.0), IN_BF16)
     u = _widen(tl.load(up_ptr + rows * stride_ur + cols * stride_uc, mask=m, other=0.0), IN_BF16)
     if HAS_LIMIT:
@@ -129,13 +136,15 @@ def swiglu(
     limit: float | None,
     row_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    live_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(swiglu_clamped(gate, up, limit) * row_weight[..., None]).to(out_dtype)`` in one launch.
 
     ``gate``, ``up``: ``[..., W]`` of one shape and dtype (``IN_DTYPES``; fp32 arithmetic), any
     strides; ``row_weight``: ``[...]`` (one per row; cast to fp32 first, as the reference does) or
     None; ``limit=None``: no clamp. Returns a new contiguous tensor of ``out_dtype``
-    (``OUT_DTYPES``)."""
+    (``OUT_DTYPES``). ``live_rows``: a one-element integer tensor; rows (of the 2-D view) at or past
+    its value are not computed and their output is left unwritten."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
     if gate.dtype != up.dtype or gate.dtype not in IN_DTYPES or out_dtype not in OUT_DTYPES:
@@ -168,12 +177,14 @@ def swiglu(
         u2.stride(1),
         0 if w is None else w.stride(0),
         0.0 if limit is None else float(limit),
+        g2 if live_rows is None else live_rows,
         BLOCK_R=block_r,
         BLOCK_W=block_w,
         HAS_LIMIT=limit is not None,
         HAS_WEIGHT=w is not None,
         IN_BF16=gate.dtype == torch.bfloat16,
         OUT_BF16=out_dtype == torch.bfloat16,
+        HAS_LIVE=live_rows is not None,
         num_warps=_WARPS,
         **_LAUNCH,
     )
