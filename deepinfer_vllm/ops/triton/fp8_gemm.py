@@ -244,7 +244,7 @@ def _vendor_gemm(
 ) -> torch.Tensor:
     """``out = xv @ decode(W).T`` on cuBLAS, fp32 accumulation (no reduced-precision reductions), bf16 out;
     ``groups > 1``: one product per group, each reading its columns of ``xv`` and writing its columns of
-    ``out`` in place (strided operands, no copies)."""
+    ``out`` (strided views)."""
     wb = fp8_block_decode(weight, scale)
     n, k = wb.shape
     ng = n // groups

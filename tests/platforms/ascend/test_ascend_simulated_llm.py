@@ -175,7 +175,6 @@ def _run(checkpoint, prompts, tmp_path, drop_copies=False, **extra) -> tuple[dic
     return result, log
 
 
-@pytest.mark.xdist_group("test_simulated_npu_engine_matches_reference")  # one engine each: side by side
 def _replayed_reference(result, prompts, tiny_greedy, replay_admissions):
     """The reference's tokens of the batch and the repeated prompt, with the prefix hits and
     preemptions the worker logged (SWA bounded replay)."""
@@ -184,6 +183,7 @@ def _replayed_reference(result, prompts, tiny_greedy, replay_admissions):
     return want, tiny_greedy(prompts[2], 16, admissions=admissions[result["request_ids"][3]])
 
 
+@pytest.mark.xdist_group("test_simulated_npu_engine_matches_reference")  # one engine each: side by side
 def test_simulated_npu_engine_matches_reference(
     tiny_checkpoint, acceptance_prompts, tiny_greedy, replay_admissions, tmp_path
 ):
