@@ -41,6 +41,7 @@ plain reader of the same 10.5 MB takes 5.3 us; from three rows the tensor cores 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -312,11 +313,12 @@ def stored_gemm(
         if m > GEMV_ROWS:
             raise ValueError(f"the CUDA-core path takes at most {GEMV_ROWS} rows, got {m}")
         kernel, cfg["BM"] = _stored_gemv_kernel, triton.next_power_of_2(m)
-        grid = (triton.cdiv(n, cfg["BN"]), split)
+        tiles = (triton.cdiv(n, cfg["BN"]),)  # every row of x in one tile
     else:
         kernel = _stored_gemm_kernel
         cfg["F32_DOT"] = _INTERPRET
-        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
+        tiles = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
+    grid = (*tiles, split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     fixup = split > 1 and cfg["BM"] <= FIXUP_ROWS
     kernel[grid](
@@ -324,7 +326,7 @@ def stored_gemm(
         weight,
         part if split > 1 and not fixup else (out.view(torch.int16) if kind == 1 else out),
         part,
-        split_counters(x.device, grid[0] * (grid[1] if len(grid) == 3 else 1)) if fixup else None,
+        split_counters(x.device, math.prod(tiles)) if fixup else None,
         m,
         n,
         k,
