@@ -418,6 +418,59 @@ ANNOTATED = {
 }
 
 
+def host_side(fn, rows: int = 8, functions: int = 25) -> None:
+    """The step's host side: time to enqueue it (no synchronisation after the call) against time to
+    finish it, the calls in it that synchronise with the device (``set_sync_debug_mode``), by our
+    innermost frame, and the Python functions taking its host time (``cProfile``, by own time;
+    the profiler slows every call, so read shares, not times). An eager step whose enqueue time
+    nears its finish time, or that waits for the device midway, is timed by the host, not by its
+    kernels."""
+    import collections
+    import cProfile
+    import io
+    import pstats
+    import traceback
+    import warnings
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack() if "deepinfer_vllm" in f.filename]
+        sites[f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    print(
+        f"host: {(t1 - t0) * 1e6:.0f} us to enqueue the step, {(t2 - t0) * 1e6:.0f} us to finish it; "
+        f"{sum(sites.values())} synchronising calls"
+    )
+    for where, n in sites.most_common(rows):
+        print(f"  {n:4d}  {where}")
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(functions)
+    stats.sort_stats("cumulative").print_stats(functions)
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
+
+
 def annotate_parts() -> None:
     """Wrap the layer's parts (``ANNOTATED``) in profiler ranges, for ``--profile``'s by-part table."""
     import functools
@@ -464,6 +517,11 @@ def main() -> None:
         "--sources",
         action="store_true",
         help="also print, for each case's eager step, the operators launching its kernels and where they are called",
+    )
+    parser.add_argument(
+        "--host",
+        action="store_true",
+        help="also print, for each case's eager step, its host enqueue time and synchronising calls",
     )
     parser.add_argument(
         "--cases",
@@ -550,6 +608,8 @@ def main() -> None:
         report(name, "eager", timed(forward, 5 if args.dry_run else 20, device), nbytes, flops)
         if args.profile:
             profile(forward, device)
+        if args.host and device.type == "cuda":
+            host_side(forward)
         if args.sources:
             sources(forward)
         if device.type == "cuda":
@@ -566,8 +626,15 @@ def main() -> None:
     touched, pairs = probe.local()
     nbytes, flops = step_cost(arch, dense, per_expert, per_expert_elems, touched, pairs, prefill, prefill)
     report(f"prefill {prefill} tokens", "eager", timed(prefill_forward, 3, device), nbytes, flops)
+    if device.type == "cuda":  # the step makes no host synchronisation, so it can be captured too
+        replay = graphed(prefill_forward)
+        report(f"prefill {prefill} tokens", "graphed", timed(replay, 5, device), nbytes, flops)
+        del replay
+        torch.cuda.empty_cache()
     if args.profile:
         profile(prefill_forward, device, steps=1)
+    if args.host and device.type == "cuda":
+        host_side(prefill_forward)
     if args.sources:
         sources(prefill_forward, steps=1)
 

@@ -233,16 +233,20 @@ class GroupedExpertGemm(ActivationsGemm):
     ``rows`` is given: the kernels gather them as they load) times expert ``e``'s weight, zeros
     past ``offsets[-1]``. The reference (``ops.quant_gemm``, which reads the
     offsets on the host) or the Triton kernel (``ops/triton/moe_gemm.py``, no host
-    synchronisation). Activations as ``DEEPINFER_GEMM_ACTIVATIONS`` says, read when built."""
+    synchronisation). Activations as ``DEEPINFER_GEMM_ACTIVATIONS`` says, read when built.
+    ``zero_rest=False``: the rows past ``offsets[-1]`` are unspecified (the kernel leaves them
+    unwritten; the reference zeros them), for callers that never read them."""
 
     name = "moe_grouped_gemm"
     kernel_modules = {"triton": "deepinfer_vllm.ops.triton.moe_gemm"}
 
-    def forward_native(self, x, offsets, weight, scale, out_dtype=None, rows=None):
+    def forward_native(self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True):
         return quant_gemm.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype, rows=rows)
 
-    def forward_triton(self, x, offsets, weight, scale, out_dtype=None, rows=None):
-        return self.kernels.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype, rows=rows)
+    def forward_triton(self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True):
+        return self.kernels.grouped_fp4_gemm(
+            x, offsets, weight, scale, self.act, out_dtype, rows=rows, zero_rest=zero_rest
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +269,13 @@ class Groups(NamedTuple):
     def in_pair_order(self, y: torch.Tensor) -> torch.Tensor:
         """Rows ``y`` in grouped order (a grouped GEMM's output) put back in (token, slot) order."""
         return torch.empty_like(y).index_copy_(0, self.order, y)
+
+    def live(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` in grouped order with the rows past ``offsets[-1]`` (other ranks' pairs) zero,
+        whatever they held (no host synchronisation)."""
+        grouped_row = torch.arange(y.shape[0], device=y.device).unsqueeze(-1)
+        zero = torch.zeros((), dtype=y.dtype, device=y.device)
+        return torch.where(grouped_row < self.offsets[-1:], y, zero)
 
 
 class _Bf16Kernels(KernelOp):
@@ -336,7 +347,9 @@ class ExpertSum(_Bf16Kernels):
     """A token's ``k`` expert outputs rounded to ``dtype`` and summed in ascending id:
     ``sum_in_expert_order(y.view(T, k, -1).to(acc_dtype(dtype)), ids, dtype)`` for rows ``y`` in
     pair order, or in grouped order when ``groups`` is given (the grouped GEMM's output, read in
-    place by the kernel through ``groups.position``; the reference scatters it back first)."""
+    place by the kernel through ``groups.position``; the reference scatters it back first). With
+    ``groups``, the rows past ``groups.offsets[-1]`` (other ranks' pairs) count as zero whatever
+    they hold: the grouped GEMM need not write them (``zero_rest=False``), the kernel skips them."""
 
     name = "moe_expert_sum"
 
@@ -344,18 +357,17 @@ class ExpertSum(_Bf16Kernels):
         self, y: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, groups: Groups | None = None
     ) -> torch.Tensor:
         if groups is not None:
-            y = groups.in_pair_order(y)
+            y = groups.in_pair_order(groups.live(y))
         return sum_in_expert_order(y.view(*ids.shape, -1).to(acc_dtype(dtype)), ids, dtype)
 
     def forward_triton(
         self, y: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, groups: Groups | None = None
     ) -> torch.Tensor:
-        position = None
-        if groups is not None:
-            position = groups.position
-            if position is None:
-                y = groups.in_pair_order(y)
-        return self.kernels.expert_sum(y, ids, dtype, position)
+        if groups is None:
+            return self.kernels.expert_sum(y, ids, dtype)
+        if groups.position is None:
+            return self.kernels.expert_sum(groups.in_pair_order(groups.live(y)), ids, dtype)
+        return self.kernels.expert_sum(y, ids, dtype, groups.position, groups.offsets[-1:])
 
 
 class SwiGlu(_Bf16Kernels):

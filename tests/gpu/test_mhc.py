@@ -109,6 +109,28 @@ def test_rows_do_not_depend_on_the_batch(device):
     assert all(torch.equal(a, b) for a, b in zip(again, full))
 
 
+@pytest.mark.skipif(
+    INTERPRET, reason="the interpreter's tl.dot is numpy's BLAS, whose rows depend on the tile"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_do_not_depend_on_the_row_tile(device, dtype):
+    """The projection's row tile grows with the step (``mix_tile``): a row's bits are the same
+    whichever tile computed it. Rows of very different magnitudes (2^-40 .. 2^40 within a
+    token) make any change of summation order visible."""
+    T, D = 1100, 5120
+    tiles = {mhc.mix_tile(t) for t in (1, 63, 64, 1023, T)}
+    assert len(tiles) == 3 and mhc.mix_tile(T) != mhc.mix_tile(1)  # every switch is crossed below
+    streams, fn, base, scale = make(T, D, device, seed=8, dtype=dtype)
+    g = torch.Generator().manual_seed(9)
+    spread = torch.exp2(torch.randint(-40, 41, (T, HC, D), generator=g).float()).to(device)
+    streams = (streams.float() * spread).to(dtype)
+    full = mhc.hc_mix(streams, fn, base, scale, RMS_EPS, HC_EPS, ITERS)
+    for rows in (slice(0, 1), slice(5, 68), slice(100, 1023), slice(T - 64, T)):
+        part = mhc.hc_mix(streams[rows], fn, base, scale, RMS_EPS, HC_EPS, ITERS)
+        for a, b in zip(part, full):
+            assert torch.equal(a, b[rows])
+
+
 def test_bad_shapes_are_refused(device):
     streams, fn, base, scale = make(2, 64, device)
     with pytest.raises(ValueError, match="fn must be fp32"):

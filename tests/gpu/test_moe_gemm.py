@@ -147,6 +147,31 @@ def test_moe_gemm_all_rows_past_offsets(device, act):
     assert torch.equal(got.float(), torch.zeros(20, 64, device=device))
 
 
+@pytest.mark.parametrize("cfg", [None, 2, "gluon64"])
+def test_moe_gemm_zero_rest_false_leaves_the_rest(device, cfg):
+    """``zero_rest=False``: the rows up to ``offsets[-1]`` bit-equal to the default call, the rows past
+    it not written (still the poison the allocator hands out), so a caller that never reads them (the
+    MoE layer's other-rank pairs) does not pay for their zeros."""
+    config = dict(BT=64, SPLIT=1) if cfg == "gluon64" else (CONFIGS[cfg] if cfg else None)
+    e, n, k, r = 6, 64, 256, 150
+    w, s = make_experts(e, n, k, seed=41, device=device)
+    x = make_x(r, k, seed=42, device=device)
+    if cfg == "gluon64" and (INTERPRET or not gluon_moe_supported(x, w.view(torch.uint8))):
+        pytest.skip("Gluon kernels need an sm90 GPU")
+    offs = make_offsets(e, r, seed=43, device=device, tail=100)
+    live = int(offs[-1])
+    want = grouped_fp4_gemm(x, offs, w, s, "bf16", torch.bfloat16, config=config)
+    buf = poison_(torch.empty(r, n, dtype=torch.bfloat16, device=device))
+    poisoned = buf.data_ptr()
+    del buf
+    got = grouped_fp4_gemm(x, offs, w, s, "bf16", torch.bfloat16, zero_rest=False, config=config)
+    assert torch.equal(got[:live].view(torch.int16), want[:live].view(torch.int16))
+    if device.type == "cuda":  # the caching allocator hands the poisoned block out again
+        assert got.data_ptr() == poisoned
+    if got.data_ptr() == poisoned:
+        assert bool(got[live:].isnan().all()), "rows past offsets[-1] were written"
+
+
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("act", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("r", [6, 1536])
@@ -188,7 +213,7 @@ def test_moe_gemm_gathers_rows(device, act, cfg):
     e, n, k, t, top_k = 6, 64, 256, 13, 3
     w, s = make_experts(e, n, k, seed=31, device=device)
     x = make_x(t, k, seed=32, device=device)
-    if isinstance(cfg, str) and (INTERPRET or not gluon_moe_supported(x, w.view(torch.uint8), 1)):
+    if isinstance(cfg, str) and (INTERPRET or not gluon_moe_supported(x, w.view(torch.uint8))):
         pytest.skip("Gluon kernels need an sm90 GPU")
     config = gluon[cfg] if isinstance(cfg, str) else (CONFIGS[cfg] if cfg else None)
     r = t * top_k
@@ -227,7 +252,7 @@ def test_moe_gemm_gluon_matches_reference(device, act, out_dtype, cfg, e, n, k, 
     """The Gluon decode kernel (``moe_gemm_gluon``), every token tile, split and ring depth."""
     w, s = make_experts(e, n, k, seed=e + n + k, device=device)
     x = make_x(r, k, seed=r, device=device)
-    assert gluon_moe_supported(x, w.view(torch.uint8), 1)
+    assert gluon_moe_supported(x, w.view(torch.uint8))
     offs = make_offsets(e, r, seed=r + e + cfg, device=device, tail=min(3, r - 1))
     poison_(torch.empty(r, n, dtype=out_dtype, device=device))
     got = grouped_fp4_gemm(x, offs, w, s, act, out_dtype, config=GLUON_CONFIGS[cfg])

@@ -115,6 +115,15 @@ def test_expert_sum_bit_exact(T, device):
     per_pair = torch.empty_like(down).index_copy_(0, order, down)
     want = moe.sum_in_expert_order(per_pair.view(T, K, D).float(), ids, torch.bfloat16)
     assert torch.equal(routing.expert_sum(down, ids, torch.bfloat16, position), want)
+    # other ranks' pairs (experts E/2..E-1 here) past offsets[-1]: read as zero, never loaded
+    ones = torch.ones(T, K, device=device)
+    order, offsets, _, _, position = routing.expert_groups(ids, range(0, E // 2), ones)
+    live = int(offsets[-1])
+    down[live:] = 0
+    per_pair = torch.empty_like(down).index_copy_(0, order, down)
+    want_live = moe.sum_in_expert_order(per_pair.view(T, K, D).float(), ids, torch.bfloat16)
+    down[live:] = float("nan")
+    assert torch.equal(routing.expert_sum(down, ids, torch.bfloat16, position, offsets[-1:]), want_live)
     summed = (torch.randn(T * K, D, generator=g) * 10).to(device)  # the split path's fp32 partials
     want = moe.sum_in_expert_order(summed.view(T, K, D), ids, torch.bfloat16)
     assert torch.equal(routing.expert_sum(summed, ids, torch.bfloat16), want)

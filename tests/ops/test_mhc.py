@@ -6,6 +6,7 @@ import torch
 from deepinfer_vllm.ops.numerics import acc_dtype
 
 from deepinfer_vllm.ops.mhc import (
+    broadcast_streams,
     hc_collapse,
     hc_expand,
     hc_fn_broadcast,
@@ -93,7 +94,9 @@ def test_sinkhorn_is_doubly_stochastic():
 def test_broadcast_identity_first_layer():
     g, fn, base, scale = _params(1)
     e = torch.randn(5, D, generator=g).to(torch.bfloat16)
-    streams = e.unsqueeze(1).expand(5, HC, D).contiguous()
+    streams = broadcast_streams(e, HC)
+    assert streams.shape == (5, HC, D) and streams.is_contiguous()
+    assert all(torch.equal(streams[:, i], e) for i in range(HC))
     full = hc_mix_logits(streams, fn, 1e-20)
     summed = hc_mix_logits_broadcast(e, hc_fn_broadcast(fn, HC), 1e-20)
     torch.testing.assert_close(full, summed, rtol=1e-5, atol=1e-5)

@@ -194,6 +194,25 @@ def test_expert_sum_reads_grouped_rows(R, T, k):
     assert torch.equal(R.expert_sum(down, ids, torch.bfloat16, position), want)
 
 
+@pytest.mark.parametrize("T,k", [(7, 6), (64, 6)])
+def test_expert_sum_skips_rows_past_live(R, T, k):
+    """``live``: grouped rows at or past it (other ranks' pairs) are read as zero, whatever they
+    hold (here NaN): the same bits as the sum over rows zeroed there."""
+    ids = _tied_ids(T, k, seed=T + 1)
+    D = 40
+    order, offsets, _, _, position = R.expert_groups(ids, range(2, 15), torch.ones(T, k))
+    live = int(offsets[-1])
+    assert 0 < live < T * k
+    g = torch.Generator().manual_seed(4)
+    down = torch.randn(T * k, D, generator=g).bfloat16()
+    down[live:] = 0
+    want = R.expert_sum(down, ids, torch.bfloat16, position)
+    down[live:] = float("nan")
+    assert torch.equal(R.expert_sum(down, ids, torch.bfloat16, position, offsets[-1:]), want)
+    with pytest.raises(ValueError, match="needs position"):
+        R.expert_sum(down, ids, torch.bfloat16, None, offsets[-1:])
+
+
 # ----------------------------------------------------------------------- the operators
 
 
@@ -231,7 +250,14 @@ def test_operators_agree_with_the_reference(R, monkeypatch):
     for a, b in zip(tg[:4], rg[:4]):
         assert torch.equal(a, b)
     down = torch.randn(T * k, 40, generator=g).bfloat16()
-    assert torch.equal(tri[2](down, rids, torch.bfloat16, tg), ref[2](down, rids, torch.bfloat16, rg))
+    live = int(rg.offsets[-1])
+    assert 0 < live < T * k  # some pairs are another rank's: their grouped rows count as zero
+    zeroed = down.clone()
+    zeroed[live:] = 0
+    want = ref[2](zeroed, rids, torch.bfloat16, rg)
+    down[live:] = float("nan")  # what a grouped GEMM with zero_rest=False may leave there
+    assert torch.equal(tri[2](down, rids, torch.bfloat16, tg), want)
+    assert torch.equal(ref[2](down, rids, torch.bfloat16, rg), want)
     summed = torch.randn(T * k, 40, generator=g)
     assert torch.equal(tri[2](summed, rids, torch.bfloat16), ref[2](summed, rids, torch.bfloat16))
 
@@ -248,8 +274,10 @@ def test_grouping_above_the_bound_keeps_the_torch_sort(R, monkeypatch):
     assert groups.position.dtype == torch.int32
     assert torch.equal(groups.position[order].long(), torch.arange(T * k))
     down = torch.randn(T * k, 8, generator=g).bfloat16()
+    down[int(groups.offsets[-1]) :] = 0  # another rank's pairs
     per_pair = torch.empty_like(down).index_copy_(0, order, down)
     want = moe.sum_in_expert_order(per_pair.view(T, k, 8).float(), ids, torch.bfloat16)
+    down[int(groups.offsets[-1]) :] = float("nan")  # never read
     assert torch.equal(tri[2](down, ids, torch.bfloat16, groups), want)
 
 

@@ -266,13 +266,19 @@ class RoutedExperts(nn.Module):
         acc = acc_dtype(x.dtype)
         groups = self.grouping(ids, self.local, weights)
         gemm = self.grouped_gemm
-        gate_up = gemm(x, groups.offsets, self.w13, self.w13_scale, x.dtype, rows=groups.rows)
+        # Pairs of other ranks' experts sit past offsets[-1]. Nothing reads them but the pair-order
+        # paths (split experts, per-pair outputs), which need them zero: the gate/up GEMM leaves
+        # them unwritten, the activation uncomputed (the down projection reads no row past
+        # offsets[-1]), the down projection zero only for those paths (the expert sum skips them).
+        gate_up = gemm(
+            x, groups.offsets, self.w13, self.w13_scale, x.dtype, rows=groups.rows, zero_rest=False
+        )
         gate, up = gate_up.split(self.width, dim=-1)
-        # Pairs of other ranks' experts sit past offsets[-1]: the GEMMs leave them zero, the
-        # activation leaves them uncomputed (the down projection reads no row past offsets[-1]).
         act = self.swiglu(gate, up, limit, groups.weights, x.dtype, groups.offsets[-1:])
-        down = gemm(act, groups.offsets, self.w2, self.w2_scale, acc if self.split else x.dtype)
-        if self.split or self.per_pair:
+        pair_order = self.split or self.per_pair
+        down_dtype = acc if self.split else x.dtype
+        down = gemm(act, groups.offsets, self.w2, self.w2_scale, down_dtype, zero_rest=pair_order)
+        if pair_order:
             per_pair = groups.in_pair_order(down)
             return per_pair if self.split else per_pair.to(acc)
         order_ids = ids if order_ids is None else order_ids

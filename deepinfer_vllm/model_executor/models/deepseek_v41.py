@@ -58,7 +58,7 @@ from deepinfer_vllm.model_executor.layers.linear import linear
 from deepinfer_vllm.model_executor.layers.norm import V41Norm
 from deepinfer_vllm.model_executor.quantization import DeepInferV41QuantConfig
 from deepinfer_vllm.ops.dspark import draft_inputs, target_features
-from deepinfer_vllm.ops.mhc import hc_collapse, identity_pre
+from deepinfer_vllm.ops.mhc import broadcast_streams, hc_collapse, identity_pre
 from deepinfer_vllm.ops.rope import build_rope_cache
 from deepinfer_vllm.configs.dspark import dspark_settings
 from deepinfer_vllm.model_executor.models.dspark_draft import build_stages
@@ -302,7 +302,7 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         T = state.num_tokens
         input_ids = input_ids[:T]
         x = inputs_embeds[:T] if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        streams = x.unsqueeze(1).expand(T, arch.hc_mult, arch.hidden_size).contiguous()
+        streams = broadcast_streams(x, arch.hc_mult)
         pre = identity_pre(T, arch.hc_mult, device=x.device)
         is_image = input_ids == arch.image_token_id
         engram_inputs = None
@@ -350,7 +350,7 @@ class DeepseekV41ForCausalLM(nn.Module, MixtureOfExperts):
         arch = self.arch
         ids, pos = draft_inputs(bonus, anchor, k, arch.dspark_noise_token_id)
         x = self.embed_input_ids(ids)
-        streams = x.unsqueeze(1).expand(x.shape[0], arch.hc_mult, arch.hidden_size).contiguous()
+        streams = broadcast_streams(x, arch.hc_mult)
         pre = identity_pre(x.shape[0], arch.hc_mult, device=x.device)
         for stage in self.mtp:
             streams, pre = stage(streams, pre, ids, pos, req, anchor, k, state)

@@ -32,16 +32,36 @@ import triton.language as tl
 from deepinfer_vllm.ops.triton.indexer import _round_bf16
 from deepinfer_vllm.ops.triton.stored_gemm import bf16x3, dot_bf16, widen_bf16
 
-__all__ = ["MIX_CHUNK", "hc_collapse_norm", "hc_expand", "hc_mix", "rms_norm"]
+__all__ = ["MIX_CHUNK", "hc_collapse_norm", "hc_expand", "hc_mix", "mix_tile", "rms_norm"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Columns of the flattened streams per split of the mix projection: a constant, so a row's
 # bits do not depend on the batch; 256 gives one token 80 programs at hc * D = 20480.
 MIX_CHUNK = 256
-_MIX_ROWS = 16  # tokens per program of the projection (tl.dot's minimum M)
-_MIX_BK = 64
-_SPLIT_ROWS = 4  # tokens per program of the split sum (16 programs at B=64)
-_SPLIT_SUM = 16  # splits added per step of the split sum
+_MIX_BK = 64  # K per dot: with the chunk, it sets every partial sum's order (keep it fixed)
+# Tokens per program of the projection and its warps, by the step's token count. The row tile
+# only batches rows into one MMA: each row's K order (BK-wide dots in chunk order) is the same,
+# so a row's bits do not depend on the tile (``tests/gpu/test_mhc.py`` checks it across the
+# switches). At 8192 tokens 16 rows per program ran at 15% of copy (541 us, each program
+# re-reading and re-splitting its 32 KB ``fn`` chunk for 8 KB of streams), 64 rows at 44% (179),
+# 128 rows on 8 warps at 52% (153); at one token the 16-row tile is 0.7 us faster (H200).
+_MIX_TILES = ((64, 16, 4), (1024, 64, 4), (None, 128, 8))  # (below this many tokens, rows, warps)
+
+
+def mix_tile(T: int) -> tuple[int, int]:
+    """``(rows per program, warps)`` of the mix projection for a step of ``T`` tokens."""
+    for below, rows, warps in _MIX_TILES:
+        if below is None or T < below:
+            return rows, warps
+    raise AssertionError("unreachable")
+
+
+# The split sum: one token per program on one warp, all splits in one tree (Flash: 80 splits). At
+# one token 4 tokens on 4 warps with 16 splits per step took 11.3 us, this 6.2 us; 20 Sinkhorn
+# iterations are ~2 us of it (H200).
+_SPLIT_ROWS = 1
+_SPLIT_SUM = 128  # splits added per step (a tree); more splits add their blocks in order
+_SPLIT_WARPS = 1
 
 
 @triton.jit
@@ -116,7 +136,6 @@ def _hc_mix_split_kernel(
     T,
     T_pad,
     K,
-    SPLITS,
     rms_eps,
     hc_eps,
     post_mult,
@@ -125,13 +144,15 @@ def _hc_mix_split_kernel(
     NP: tl.constexpr,
     ROWS: tl.constexpr,
     SC: tl.constexpr,
+    SPLITS: tl.constexpr,  # unrolled: every block's loads issue before the first add waits
 ):
     """Sum the splits, scale by ``rsqrt(mean(x^2) + eps)`` and form ``pre``, ``post``, ``comb``.
 
     The splits are added ``SC`` at a time (a tree over one block of loads, then the blocks in
     order): a fixed order set by ``K`` alone, so a row's bits do not depend on the batch, and
     ``SPLITS / SC`` dependent steps instead of ``SPLITS`` (80 sequential loads per token were
-    the kernel's whole time at decode: 62 -> 20 us per layer step at B=64 on the H200).
+    the kernel's whole time at decode: 62 -> 20 us per layer step at B=64 on the H200; one
+    tree over all 80, 20 -> ~13 us).
     Finishing in the projection's last program instead (one launch) measured slower: 16 rows
     per program there against 4 here (41 against 29 us at B=1)."""
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -143,7 +164,7 @@ def _hc_mix_split_kernel(
     post = tl.zeros((ROWS, HC), dtype=tl.float32)
     comb = tl.zeros((ROWS, HC, HC), dtype=tl.float32)
     sq = tl.zeros((ROWS,), dtype=tl.float32)
-    for s0 in range(0, SPLITS, SC):
+    for s0 in tl.static_range(0, SPLITS, SC):
         s = s0 + c4
         on = s < SPLITS
         row = (s[:, None] * T_pad + t[None, :]) * NP  # [SC, ROWS]; t < T_pad always
@@ -204,8 +225,9 @@ def hc_mix(
     dev = streams.device
     NP = max(16, triton.next_power_of_2(N))
     splits = triton.cdiv(K, MIX_CHUNK)
-    t_blocks = triton.cdiv(max(T, 1), _MIX_ROWS)
-    T_pad = t_blocks * _MIX_ROWS
+    rows, warps = mix_tile(T)
+    t_blocks = triton.cdiv(max(T, 1), rows)
+    T_pad = t_blocks * rows
     part = torch.empty(splits, T_pad, NP, dtype=torch.float32, device=dev)
     sq = torch.empty(splits, T_pad, dtype=torch.float32, device=dev)
     pre = torch.empty(T, hc, dtype=torch.float32, device=dev)
@@ -223,12 +245,12 @@ def hc_mix(
         N,
         x.stride(0),
         CHUNK=MIX_CHUNK,
-        ROWS=_MIX_ROWS,
+        ROWS=rows,
         BK=_MIX_BK,
         NP=NP,
         BF16_X=x.dtype == torch.bfloat16,
         F32_DOT=_INTERPRET,
-        num_warps=4,
+        num_warps=warps,
     )
     _hc_mix_split_kernel[(triton.cdiv(T, _SPLIT_ROWS),)](
         part,
@@ -241,7 +263,6 @@ def hc_mix(
         T,
         T_pad,
         K,
-        splits,
         rms_eps,
         hc_eps,
         post_mult,
@@ -250,7 +271,8 @@ def hc_mix(
         NP=NP,
         ROWS=_SPLIT_ROWS,
         SC=_SPLIT_SUM,
-        num_warps=4,
+        SPLITS=splits,
+        num_warps=_SPLIT_WARPS,
     )
     return pre, post, comb
 

@@ -8,7 +8,8 @@ grid has ``grid_m = max(1, min(bound, 16 * SMs // (N tiles * split)))`` programs
 config's ``GRID_M`` overrides it: tests, benchmarks); each reads
 the ``E + 1`` offsets once, counts each expert's row tiles (``tl.cumsum``) and takes tiles
 ``pid_m, pid_m + grid_m, ...`` while they have work: expert tiles (it finds the expert and row
-tile itself), then tiles zeroing the rows past ``offsets[-1]`` (or the split-K reduction does).
+tile itself), then tiles zeroing the rows past ``offsets[-1]`` (or the split-K reduction does;
+``zero_rest=False`` skips them).
 Each output tile is written by one program with the same arithmetic whatever the grid, so the
 numbers do not depend on it. Capturable in a CUDA graph.
 
@@ -44,11 +45,10 @@ from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, split
 __all__ = ["check_grouped_args", "check_rows", "grouped_fp4_gemm", "moe_config"]
 
 
-def _use_gluon(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, e_count: int) -> bool:
-    """Decode-sized row tiles (at most 64 rows per expert on average) on sm90 go to the Gluon kernel
-    (``moe_gemm_gluon``); prefill and other devices stay here."""
-    rows_per_expert = triton.cdiv(out.shape[0], e_count)
-    return out.dtype in (torch.float32, torch.bfloat16) and gluon_moe_supported(x, w, rows_per_expert)
+def _use_gluon(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """On sm90 every size goes to the Gluon kernel (``moe_gemm_gluon``: 1.1-1.7x this kernel in decode,
+    1.08x at prefill); other devices, the interpreter and unaligned shapes stay here."""
+    return out.dtype in (torch.float32, torch.bfloat16) and gluon_moe_supported(x, w)
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -146,6 +146,7 @@ def _moe_gemm_kernel(
     ASM: tl.constexpr,
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
     GATHER: tl.constexpr,
+    ZERO_REST: tl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -163,7 +164,7 @@ def _moe_gemm_kernel(
     # Row tiles with something to write: the `total` expert tiles, then (SPLIT == 1; the split-K
     # reduction zeros them otherwise) the tiles of rows past offsets[E]. Capped by the shape-only
     # bound ROW_TILES (valid offsets never reach it); this program takes pid_m, pid_m + grid_m, ...
-    if SPLIT == 1:
+    if SPLIT == 1 and ZERO_REST:
         end = total + (tl.maximum(R - tl.load(off_ptr + E).to(tl.int32), 0) + BM - 1) // BM
     else:
         end = total
@@ -380,6 +381,7 @@ def grouped_fp4_gemm(
     out_dtype: torch.dtype | None = None,
     *,
     rows: torch.Tensor | None = None,
+    zero_rest: bool = True,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``[R, N]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` (or, with
@@ -387,7 +389,10 @@ def grouped_fp4_gemm(
     (``weight [E, N, K/2]`` int8/uint8 packed E2M1, ``scale [E, N, K/32]`` UE8M0); zeros past
     ``expert_offsets[-1]``. ``expert_offsets`` int32/int64 ``[E+1]`` on x's device,
     ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R``; ``rows`` inside ``x`` (not checked:
-    that would synchronise). ``config`` overrides the tile choice (tests, benchmarks)."""
+    that would synchronise). ``zero_rest=False``: the rows past ``expert_offsets[-1]`` may be left
+    unwritten (for a caller that never reads them: other ranks' pairs, whose zeros cost a full
+    write of ``[R - offsets[-1], N]`` at prefill). ``config`` overrides the tile choice (tests,
+    benchmarks)."""
     e_count, n, _ = weight.shape
     k = x.shape[1]
     check_grouped_args(x, expert_offsets, weight, scale, act)
@@ -398,8 +403,10 @@ def grouped_fp4_gemm(
         return out
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
-    if config is not None and "BT" in config or config is None and _use_gluon(xv, w, out, e_count):
-        return gluon_grouped_fp4_gemm(xv, expert_offsets, w, s, out, rows=rows, config=config)
+    if config is not None and "BT" in config or config is None and _use_gluon(xv, w, out):
+        return gluon_grouped_fp4_gemm(
+            xv, expert_offsets, w, s, out, rows=rows, zero_rest=zero_rest, config=config
+        )
     cfg = dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device))
     cfg["BK"] = tile_k(k, cfg["BK"])
     cfg, split, k_per_split = split_k(cfg, k)
@@ -437,6 +444,7 @@ def grouped_fp4_gemm(
         ASM=not _INTERPRET,
         F32_DOT=_INTERPRET,
         GATHER=rows is not None,
+        ZERO_REST=zero_rest,
         **cfg,
     )
     if split > 1:

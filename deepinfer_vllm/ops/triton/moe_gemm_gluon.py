@@ -26,8 +26,9 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
 * ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) and the CTA's scale words (once, at
   the start) go through shared memory; one barrier per tile hands the ``x`` tile to the wgmma.
 
-Only for K a multiple of 128, N a multiple of 64, up to 64 rows per expert tile (decode); larger row
-tiles (prefill) stay on the Triton kernel. sm90 only.
+Only for K a multiple of 128, N a multiple of 64. sm90 only. Row tiles of up to 64 token rows (the
+wgmma's N); prefill walks several per expert, each decoding the expert's weights again (at 8192
+tokens, ~128 rows per local expert: 8% faster than the Triton kernel's 128-row tiles, H200).
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ BK = 128  # K per tile: 16 packed bytes = one scale block per lane and row
 _PROGRAMS_PER_SM = 16
 
 
-def gluon_moe_supported(x: torch.Tensor, weight: torch.Tensor, rows_per_expert: int) -> bool:
-    """sm90 with Gluon, N a multiple of 64, K of 128, 16-byte aligned rows, decode-sized row tiles."""
-    if not (GLUON_AVAILABLE and x.is_cuda) or rows_per_expert > 64:
+def gluon_moe_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """sm90 with Gluon, N a multiple of 64, K of 128, 16-byte aligned rows."""
+    if not (GLUON_AVAILABLE and x.is_cuda):
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
@@ -144,6 +145,7 @@ if GLUON_AVAILABLE:
         SPLIT: gl.constexpr,
         OUT_BF16: gl.constexpr,
         GATHER: gl.constexpr,
+        ZERO_REST: gl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
     ):
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -181,7 +183,7 @@ if GLUON_AVAILABLE:
         nblk = gl.where(emask, (gl.maximum(hi - lo, 0) + BT - 1) // BT, 0)
         cum = gl.associative_scan(nblk, 0, _add)
         total = gl.sum(nblk, 0)
-        if SPLIT == 1:
+        if SPLIT == 1 and ZERO_REST:
             end = total + (gl.maximum(R - gl.load(off_ptr + E).to(gl.int32), 0) + BT - 1) // BT
         else:
             end = total
@@ -286,10 +288,11 @@ def gluon_config(r: int, e_count: int, n: int, k: int, sms: int = 132) -> dict:
     """Token tile from the mean rows per expert (the wgmma's N: 8, 16, 32 or 64); K split while fewer
     than two programs per SM would have work. Up to 16 token rows, 96 registers a thread (no spills)
     let five CTAs share an SM instead of four: the kernel's stalls are latency, and a fifth CTA's loads
-    hide more of it."""
+    hide more of it. Above 64 rows (prefill) a 168-register cap (four CTAs an SM) measured 8% faster
+    than none at 8192 tokens (w13 1716 -> 1608 us, w2 907 -> 806 us, H200)."""
     mean_rows = triton.cdiv(r, e_count)
     bt = 8 if mean_rows <= 4 else 16 if mean_rows <= 16 else (32 if mean_rows <= 32 else 64)
-    cfg = {"BT": bt, "NS": 3, "MAXNREG": 96 if bt <= 16 else None}
+    cfg = {"BT": bt, "NS": 3, "MAXNREG": 96 if bt <= 16 else (168 if mean_rows > 64 else None)}
     tiles = min(r, e_count) * triton.cdiv(mean_rows, bt) * (n // BM)
     split = 1
     while tiles * split < 2 * sms and split * 2 <= min(8, (k // BK) // 2):
@@ -306,6 +309,7 @@ def gluon_grouped_fp4_gemm(
     out: torch.Tensor,
     *,
     rows: torch.Tensor | None = None,
+    zero_rest: bool = True,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (or [T, K] with ``rows [R]``, the row
@@ -350,6 +354,7 @@ def gluon_grouped_fp4_gemm(
         SPLIT=split,
         OUT_BF16=out.dtype == torch.bfloat16,
         GATHER=rows is not None,
+        ZERO_REST=zero_rest,
         num_warps=4,
         maxnreg=cfg.get("MAXNREG"),
     )

@@ -319,6 +319,7 @@ def _round_bf16(x):
 def _expert_sum_kernel(
     y_ptr,
     pos_ptr,
+    live_ptr,
     ids_ptr,
     out_ptr,
     D,
@@ -328,6 +329,7 @@ def _expert_sum_kernel(
     KP: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr,
+    HAS_LIVE: tl.constexpr,  # grouped rows at or past live_ptr[0] are read as zero
     ROUND_BF16: tl.constexpr,
 ):
     """Token ``pid(0)``, columns block ``pid(1)``: its rows summed in ascending (id, slot)."""
@@ -346,7 +348,11 @@ def _expert_sum_kernel(
         row = t * K + j
         if HAS_POS:
             row = tl.load(pos_ptr + row).to(tl.int64)
-        v = tl.load(y_ptr + row * stride_y + d, mask=dm, other=0.0).to(tl.float32)
+        m = dm
+        if HAS_LIVE:
+            # read as +0.0, as a zeroed row would be (a [BLOCK_D] mask: the interpreter wants one)
+            m = dm & ((d * 0 + row) < tl.load(live_ptr).to(tl.int64))
+        v = tl.load(y_ptr + row * stride_y + d, mask=m, other=0.0).to(tl.float32)
         if ROUND_BF16:
             v = _round_bf16(v)
         acc += v
@@ -354,11 +360,19 @@ def _expert_sum_kernel(
 
 
 def expert_sum(
-    y: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, position: torch.Tensor | None = None
+    y: torch.Tensor,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+    position: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``ops.moe.sum_in_expert_order(y.view(T, k, -1).float(), ids, dtype)`` (fp32 ``[T, D]``) for
     ``y [T * k, D]`` in pair order, or in grouped order with ``position`` (pair -> row of ``y``).
-    ``y`` is fp32 or bf16; ``dtype`` bf16 (each row rounded to it) or fp32 (unrounded)."""
+    ``y`` is fp32 or bf16; ``dtype`` bf16 (each row rounded to it) or fp32 (unrounded). ``live``
+    (with ``position``; a one-element integer tensor): rows of ``y`` at or past it are read as zero
+    (never loaded)."""
+    if live is not None and position is None:
+        raise ValueError("expert_sum: live bounds grouped rows; it needs position")
     T, k = ids.shape
     if y.dim() != 2 or y.shape[0] < T * k or y.stride(-1) != 1:
         raise ValueError(f"y must be [>= {T * k}, D] with unit column stride, got {tuple(y.shape)}")
@@ -370,8 +384,20 @@ def expert_sum(
         return out
     block_d = min(1024, triton.next_power_of_2(D))
     _expert_sum_kernel[(T, triton.cdiv(D, block_d))](
-        y, position if position is not None else ids, ids.contiguous(), out, D, y.stride(0), out.stride(0),
-        K=k, KP=triton.next_power_of_2(k), BLOCK_D=block_d, HAS_POS=position is not None,
-        ROUND_BF16=dtype == torch.bfloat16 and y.dtype == torch.float32, num_warps=4,
+        y,
+        position if position is not None else ids,
+        live if live is not None else ids,
+        ids.contiguous(),
+        out,
+        D,
+        y.stride(0),
+        out.stride(0),
+        K=k,
+        KP=triton.next_power_of_2(k),
+        BLOCK_D=block_d,
+        HAS_POS=position is not None,
+        HAS_LIVE=live is not None,
+        ROUND_BF16=dtype == torch.bfloat16 and y.dtype == torch.float32,
+        num_warps=4,
     )
     return out
