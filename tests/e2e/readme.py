@@ -22,12 +22,17 @@ def section_blocks(heading: str, text: str | None = None) -> list[str]:
 
 
 def fresh_shell_env(**extra: str) -> dict[str, str]:
-    """What a new terminal has: no virtual environment, no VLLM_* or DEEPINFER_* settings."""
+    """What a new terminal has: no virtual environment, no VLLM_* or DEEPINFER_* settings, except
+    under ``make test``'s pytest-xdist workers the worker's own OpenMP core (``tests/conftest.py``
+    binds each worker's engines to one): an engine left to bind every core spins its OpenMP
+    threads against the other worker's engine on that worker's core."""
     env = {
         "HOME": os.environ.get("HOME", "/root"),
         "PATH": FRESH_PATH,
         "LANG": os.environ.get("LANG", "C.UTF-8"),
     }
+    if os.environ.get("PYTEST_XDIST_WORKER") and "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     env.update(extra)
     return env
 
