@@ -46,7 +46,7 @@ __all__ = ["check_grouped_args", "check_rows", "grouped_fp4_gemm", "moe_config"]
 
 
 def _use_gluon(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
-    """On sm90 every size goes to the Gluon kernel (``moe_gemm_gluon``: 1.1-1.7x this kernel in decode,
+    """On sm90 every size goes to the Gluon kernel (``moe_gemm_gluon``: 1.4-1.8x this kernel in decode,
     1.08x at prefill); other devices, the interpreter and unaligned shapes stay here."""
     return out.dtype in (torch.float32, torch.bfloat16) and gluon_moe_supported(x, w)
 
