@@ -152,19 +152,11 @@ def reference_greedy_full_prefill(tiny_greedy, acceptance_prompts) -> list[list[
 # in one worker, so a module-scoped engine or server starts once. A test file is one group unless
 # its tests name finer ones (one per engine, e.g. tests/e2e/test_parallel.py); shared servers name
 # theirs (tests/e2e/conftest.py). Each worker's engines bind their OpenMP threads to a core of
-# their own; two-worker engines (TP=2, DP=2) set "0|1" themselves. With as many workers as cores,
-# each worker and every process it starts (servers, engines, fresh shells) also run on its core
-# only (two-rank servers take both again: tests/e2e/server_process.py): an engine's OpenMP threads
-# are not all its threads (the API server, the engine core's loop, xgrammar's compiler pool float);
-# in a timestamped CI run (2026-12-04) the other worker's simulated-NPU engines ran 1.5-4x slower
-# than alone beside the README server's serving tests.
+# their own; two-worker engines (TP=2, DP=2) set "0|1" themselves.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     _cores = sorted(os.sched_getaffinity(0))
-    _core = _cores[int(_WORKER.removeprefix("gw")) % len(_cores)]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_core)
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) >= len(_cores):
-        os.sched_setaffinity(0, {_core})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_WORKER.removeprefix("gw")) % len(_cores)])
 
 # The longest groups start first (`make test` keeps this order: --no-loadscope-reorder), so
 # that neither worker is left with a long one at the end: the first DSpark engine (it builds the

@@ -18,12 +18,6 @@ import requests
 TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def _every_core() -> None:
-    """In a server child that binds several ranks: undo the one-core affinity its pytest worker
-    has (tests/conftest.py), so each rank's OpenMP threads can run on the core its binding names."""
-    os.sched_setaffinity(0, range(os.cpu_count() or 1))
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,12 +41,8 @@ def openai_server(
         cmd = [str(bin_dir / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model, *args]
         cmd += ["--port", str(port)]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    ranks_bound = "|" in full_env.get("VLLM_CPU_OMP_THREADS_BIND", "")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
-            preexec_fn=_every_core if ranks_bound else None,
-        )
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path)
