@@ -521,7 +521,7 @@ def main() -> None:
     parser.add_argument(
         "--host",
         action="store_true",
-        help="also print, for each case's eager step, its host enqueue time and synchronising calls",
+        help="also print, for each case's eager step, host enqueue time, synchronising calls, cProfile",
     )
     parser.add_argument(
         "--cases",

@@ -45,15 +45,15 @@ _MIX_BK = 64  # K per dot: with the chunk, it sets every partial sum's order (ke
 # switches). At 8192 tokens 16 rows per program ran at 15% of copy (541 us, each program
 # re-reading and re-splitting its 32 KB ``fn`` chunk for 8 KB of streams), 64 rows at 44% (179),
 # 128 rows on 8 warps at 52% (153); at one token the 16-row tile is 0.7 us faster (H200).
-_MIX_TILES = ((64, 16, 4), (1024, 64, 4), (None, 128, 8))  # (below this many tokens, rows, warps)
 
 
 def mix_tile(T: int) -> tuple[int, int]:
     """``(rows per program, warps)`` of the mix projection for a step of ``T`` tokens."""
-    for below, rows, warps in _MIX_TILES:
-        if below is None or T < below:
-            return rows, warps
-    raise AssertionError("unreachable")
+    if T < 64:
+        return 16, 4
+    if T < 1024:
+        return 64, 4
+    return 128, 8
 
 
 # The split sum: one token per program on one warp, all splits in one tree (Flash: 80 splits). At

@@ -343,6 +343,8 @@ def _expert_sum_kernel(
     before = (i < j) | ((i == j) & (slot[None, :] < slot[:, None]))
     rank = tl.sum((before & (slot[None, :] < K)).to(tl.int32), axis=1)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_LIVE:
+        live = tl.load(live_ptr).to(tl.int64)
     for r in tl.static_range(K):
         j = tl.sum(tl.where((rank == r) & (slot < K), slot, 0), axis=0)
         row = t * K + j
@@ -351,7 +353,7 @@ def _expert_sum_kernel(
         m = dm
         if HAS_LIVE:
             # read as +0.0, as a zeroed row would be (a [BLOCK_D] mask: the interpreter wants one)
-            m = dm & ((d * 0 + row) < tl.load(live_ptr).to(tl.int64))
+            m = dm & ((d * 0 + row) < live)
         v = tl.load(y_ptr + row * stride_y + d, mask=m, other=0.0).to(tl.float32)
         if ROUND_BF16:
             v = _round_bf16(v)
