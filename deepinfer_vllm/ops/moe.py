@@ -31,6 +31,7 @@ from .numerics import acc_dtype, gemm, matmul, pointwise
 from .weight_gemm import ActivationsGemm
 
 __all__ = [
+    "AddShared",
     "ExpertGrouping",
     "ExpertSum",
     "GroupedExpertGemm",
@@ -368,6 +369,23 @@ class ExpertSum(_Bf16Kernels):
         if groups.position is None:
             return self.kernels.expert_sum(groups.in_pair_order(groups.live(y)), ids, dtype)
         return self.kernels.expert_sum(y, ids, dtype, groups.position, groups.offsets[-1:])
+
+
+class AddShared(_Bf16Kernels):
+    """The MoE's last step, ``torch.add(routed, shared).to(dtype)``: the routed experts' sum (in the
+    accumulation dtype, after the expert group's sum) plus the shared expert's output, rounded
+    once; the reference, or one Triton pass for fp32 ``routed``, bf16 ``shared`` and ``dtype``."""
+
+    name = "moe_add_shared"
+
+    def forward_native(self, routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # the shared expert's output widened to ``routed``'s dtype inside the add (type promotion)
+        return torch.add(routed, shared).to(dtype)
+
+    def forward_triton(self, routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if (routed.dtype, shared.dtype, dtype) != (torch.float32, torch.bfloat16, torch.bfloat16):
+            return self.forward_native(routed, shared, dtype)
+        return self.kernels.add_shared(routed, shared)
 
 
 class SwiGlu(_Bf16Kernels):

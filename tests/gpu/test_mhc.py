@@ -131,6 +131,33 @@ def test_rows_do_not_depend_on_the_row_tile(device, dtype):
             assert torch.equal(a, b[rows])
 
 
+@pytest.mark.parametrize("T,D", shapes([(3, 96), (5, 256)], [(8192, 5120)]))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_broadcast_view_reads_as_its_copy(T, D, device, dtype):
+    """The first site's streams are ``broadcast_streams``' view (stream stride 0): mix, collapse +
+    norm and expand give the bits they give on the same streams copied out (96: the mix copies,
+    its K step would straddle two streams)."""
+    _, fn, base, scale = make(T, D, device, seed=11, dtype=dtype)
+    g = torch.Generator().manual_seed(12)
+    e = (torch.randn(T, D, generator=g) * 3).to(dtype).to(device)
+    view = ref.broadcast_streams(e, HC)
+    assert view.stride(1) == 0
+    copy = view.contiguous()
+    for a, b in zip(
+        mhc.hc_mix(view, fn, base, scale, RMS_EPS, HC_EPS, ITERS),
+        mhc.hc_mix(copy, fn, base, scale, RMS_EPS, HC_EPS, ITERS),
+    ):
+        assert torch.equal(a, b)
+    pre = torch.rand(T, HC, generator=g).to(device) + 0.5
+    w = torch.randn(D, generator=g).to(dtype).to(device)
+    assert torch.equal(mhc.hc_collapse_norm(view, pre, w, RMS_EPS), mhc.hc_collapse_norm(copy, pre, w, RMS_EPS))
+    y = torch.randn(T, D, generator=g).to(dtype).to(device)
+    post = torch.rand(T, HC, generator=g).to(device) * 2
+    comb = torch.rand(T, HC, HC, generator=g).to(device)
+    out = mhc.hc_expand(y, view, post, comb)
+    assert out.is_contiguous() and torch.equal(out, mhc.hc_expand(y, copy, post, comb))
+
+
 def test_bad_shapes_are_refused(device):
     streams, fn, base, scale = make(2, 64, device)
     with pytest.raises(ValueError, match="fn must be fp32"):

@@ -154,3 +154,22 @@ def test_cuda_graph_equals_eager(T, device):
     torch.cuda.synchronize()
     for got, want in zip(captured, step()):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("T", shapes([1, 7], [1, 64, 8192]))
+def test_add_shared_bit_exact(T, device):
+    """The MoE's last step against CUDA's own ``torch.add(routed, shared).to(bf16)`` at Flash's
+    width, with sums half-way between bf16 values and signed zeros (NaN: both give NaN)."""
+    g = torch.Generator(device=device).manual_seed(T)
+    routed = torch.randn(T, 5120, generator=g, device=device) * 64
+    shared = (torch.randn(T, 5120, generator=g, device=device) * 64).bfloat16()
+    flat, sh = routed.view(-1), shared.view(-1)
+    base = torch.tensor([1.0, 1.0078125, -3.0, 3.015625], device=device)
+    flat[:4] = base + base.abs() * 2.0**-9 - sh[:4].float()
+    flat[4:8] = torch.tensor([-0.0, 0.0, float("inf"), float("nan")], device=device)
+    sh[4:8] = torch.tensor([-0.0, -0.0, -1.0, 2.0], dtype=torch.bfloat16, device=device)
+    want = torch.add(routed, shared).to(torch.bfloat16)
+    got = routing.add_shared(routed, shared)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])

@@ -325,3 +325,27 @@ def test_layer_grouped_path_equals_the_reference_ops(R, monkeypatch, layout_kw):
     if mods["torch"].split:
         combined = mods["triton"].combine(got, ids, x.dtype)
         assert torch.equal(combined, mods["torch"].combine(want, ids, x.dtype))
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (7, 1100), (3, 2049)])
+def test_add_shared_rounds_once(R, shape):
+    """The MoE's last step equals ``torch.add(routed, shared).to(bf16)`` bit for bit: sums that
+    land half-way between bf16 values (ties to even), signed zeros, infinities; NaN stays NaN
+    (its bits are the platform's: torch's CPU cast keeps the sign and payload, CUDA's does not)."""
+    g = torch.Generator().manual_seed(shape[1])
+    routed = torch.randn(shape, generator=g) * 100
+    shared = (torch.randn(shape, generator=g) * 100).bfloat16()
+    flat, sh = routed.view(-1), shared.view(-1)
+    # half-way sums: a bf16 value plus half its last place, both parities of the last bit
+    base = torch.tensor([1.0, 1.0078125, -3.0, 3.015625])
+    flat[: base.numel()] = base + base.abs() * 2.0**-9 - sh[: base.numel()].float()
+    flat[4:8] = torch.tensor([-0.0, 0.0, float("inf"), float("nan")])
+    sh[4:8] = torch.tensor([-0.0, -0.0, -1.0, 2.0], dtype=torch.bfloat16)
+    want = torch.add(routed, shared).to(torch.bfloat16)
+    got = R.add_shared(routed, shared)
+    assert got.dtype == torch.bfloat16
+    nan = want.isnan()
+    assert nan.sum() == 1 and torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    with pytest.raises(ValueError, match="fp32 routed and bf16 shared"):
+        R.add_shared(routed.bfloat16(), shared)

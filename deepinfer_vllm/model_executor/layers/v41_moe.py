@@ -39,6 +39,7 @@ from deepinfer_vllm.model_executor.layers.parallel import ParallelLayout, TokenE
 from deepinfer_vllm.model_executor.layers.params import built_for, held, ue8m0_dtype
 from deepinfer_vllm.ops.eplb import initial_placement, logical_to_physical
 from deepinfer_vllm.ops.moe import (
+    AddShared,
     ExpertGrouping,
     ExpertSum,
     GroupedExpertGemm,
@@ -339,6 +340,7 @@ class V41MoE(nn.Module):
         self.router = MoeRouter(*built_for())
         self.experts = RoutedExperts(n_experts, hidden, inter, layout, redundant)
         self.shared_experts = SharedExpert(hidden, inter, quant_config, f"{prefix}.shared_experts")
+        self.add_shared = AddShared(*built_for())
 
     @classmethod
     def from_arch(
@@ -381,5 +383,4 @@ class V41MoE(nn.Module):
             image_token_id=self.image_token_id,
         )
         routed = self.experts(x, weights, ids, self.swiglu_limit)
-        # the shared expert's output widened to ``routed``'s dtype inside the add (type promotion)
-        return torch.add(routed, self.shared_experts(x, self.swiglu_limit)).to(x.dtype)
+        return self.add_shared(routed, self.shared_experts(x, self.swiglu_limit), x.dtype)

@@ -73,7 +73,9 @@ def _hc_mix_partial_kernel(
     T,
     K,
     N,
+    D,
     x_stride,
+    stride_i,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
     BK: tl.constexpr,
@@ -81,7 +83,10 @@ def _hc_mix_partial_kernel(
     BF16_X: tl.constexpr,  # bf16 streams: fn split into three bf16 parts on the tensor cores
     F32_DOT: tl.constexpr,  # interpreter: the bf16 dots widened to fp32 (same products)
 ):
-    """Split ``pid(1)``'s columns: ``part[s, t, n] = sum_k x[t, k] fn[n, k]``, ``sq[s, t] = sum_k x^2``."""
+    """Split ``pid(1)``'s columns: ``part[s, t, n] = sum_k x[t, k] fn[n, k]``, ``sq[s, t] = sum_k x^2``.
+
+    Column ``k`` of a row is stream ``k // D``'s entry ``k % D``, at ``(k // D) * stride_i + k % D``
+    (a ``BK`` step stays in one stream unless ``stride_i == D``)."""
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     s = tl.program_id(1)
     n = tl.arange(0, NP)
@@ -91,9 +96,10 @@ def _hc_mix_partial_kernel(
     t64 = t.to(tl.int64)
     for k0 in range(s * CHUNK, s * CHUNK + CHUNK, BK):
         k = k0 + kk
-        x = tl.load(
-            x_ptr + t64[:, None] * x_stride + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :], other=0.0
-        )
+        i = k0 // D
+        x_col = i * stride_i + (k0 - i * D) + kk
+        x_mask = (t < T)[:, None] & (k < K)[None, :]
+        x = tl.load(x_ptr + t64[:, None] * x_stride + x_col[None, :], mask=x_mask, other=0.0)
         w = tl.load(fn_ptr + n[None, :] * K + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None], other=0.0)
         if BF16_X:
             hi, mid, lo = bf16x3(w)
@@ -210,7 +216,9 @@ def hc_mix(
     sinkhorn_iters: int,
     post_mult: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ops.mhc.hc_mix``: fp32 ``pre [T, hc]``, ``post [T, hc]``, ``comb [T, hc, hc]``."""
+    """``ops.mhc.hc_mix``: fp32 ``pre [T, hc]``, ``post [T, hc]``, ``comb [T, hc, hc]``. ``streams``
+    may be a view with any stream stride (e.g. 0: ``broadcast_streams``) where ``D`` is a multiple of
+    the projection's K step; other layouts are copied first."""
     T, hc, D = streams.shape
     K = hc * D
     N = hc * (hc + 2)
@@ -218,9 +226,8 @@ def hc_mix(
         raise ValueError(f"fn must be fp32 [{N}, {K}], got {tuple(fn.shape)} {fn.dtype}")
     if hc & (hc - 1) or sinkhorn_iters < 1:
         raise ValueError(f"hc must be a power of two and sinkhorn_iters >= 1 (got {hc}, {sinkhorn_iters})")
-    x = streams.reshape(T, K)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    if streams.stride(2) != 1 or (streams.stride(1) != D and D % _MIX_BK):
+        streams = streams.contiguous()
     fn = fn.contiguous()
     dev = streams.device
     NP = max(16, triton.next_power_of_2(N))
@@ -236,19 +243,21 @@ def hc_mix(
     if T == 0:
         return pre, post, comb
     _hc_mix_partial_kernel[(t_blocks, splits)](
-        x,
+        streams,
         fn,
         part,
         sq,
         T,
         K,
         N,
-        x.stride(0),
+        D,
+        streams.stride(0),
+        streams.stride(1),
         CHUNK=MIX_CHUNK,
         ROWS=rows,
         BK=_MIX_BK,
         NP=NP,
-        BF16_X=x.dtype == torch.bfloat16,
+        BF16_X=streams.dtype == torch.bfloat16,
         F32_DOT=_INTERPRET,
         num_warps=warps,
     )
@@ -285,6 +294,7 @@ def _hc_collapse_norm_kernel(
     out_ptr,
     D,
     s_stride_t,
+    s_stride_i,
     eps,
     HC: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -299,7 +309,7 @@ def _hc_collapse_norm_kernel(
         y = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for i in tl.static_range(HC):
             p = tl.load(pre_ptr + t * HC + i)
-            y += tl.load(s_ptr + t * s_stride_t + i * D + d, mask=m, other=0.0).to(tl.float32) * p
+            y += tl.load(s_ptr + t * s_stride_t + i * s_stride_i + d, mask=m, other=0.0).to(tl.float32) * p
         y = _narrow(y, OUT_BF16)  # the collapse is rounded before the norm
     else:
         y = tl.load(s_ptr + t * s_stride_t + d, mask=m, other=0.0).to(tl.float32)
@@ -310,7 +320,7 @@ def _hc_collapse_norm_kernel(
 
 def _collapse_norm(streams: torch.Tensor, pre: torch.Tensor | None, weight: torch.Tensor, eps: float):
     T, hc, D = streams.shape
-    if streams.stride(2) != 1 or streams.stride(1) != D:
+    if streams.stride(2) != 1:
         streams = streams.contiguous()
     out = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
     if T:
@@ -322,6 +332,7 @@ def _collapse_norm(streams: torch.Tensor, pre: torch.Tensor | None, weight: torc
             out,
             D,
             streams.stride(0),
+            streams.stride(1),
             eps,
             HC=hc,
             BLOCK_D=block,
@@ -355,6 +366,7 @@ def _hc_expand_kernel(
     out_ptr,
     D,
     s_stride_t,
+    s_stride_j,
     y_stride_t,
     HC: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -367,7 +379,7 @@ def _hc_expand_kernel(
     k = tl.arange(0, HC)
     acc = tl.zeros((HC, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(HC):
-        sj = tl.load(s_ptr + t * s_stride_t + j * D + d, mask=m, other=0.0).to(tl.float32)
+        sj = tl.load(s_ptr + t * s_stride_t + j * s_stride_j + d, mask=m, other=0.0).to(tl.float32)
         cj = tl.load(comb_ptr + t * HC * HC + j * HC + k)
         acc += cj[:, None] * sj[None, :]
     y = tl.load(y_ptr + t * y_stride_t + d, mask=m, other=0.0).to(tl.float32)
@@ -379,9 +391,10 @@ def _hc_expand_kernel(
 
 
 def hc_expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``ops.mhc.hc_expand``: new streams ``[T, hc, D]`` in ``streams.dtype``."""
+    """``ops.mhc.hc_expand``: new streams ``[T, hc, D]`` (contiguous) in ``streams.dtype``; the old
+    ``streams`` are read through their strides (a stream stride of 0 included)."""
     T, hc, D = streams.shape
-    if streams.stride(2) != 1 or streams.stride(1) != D:
+    if streams.stride(2) != 1:
         streams = streams.contiguous()
     if y.stride(-1) != 1:
         y = y.contiguous()
@@ -396,6 +409,7 @@ def hc_expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
             out,
             D,
             streams.stride(0),
+            streams.stride(1),
             y.stride(0),
             HC=hc,
             BLOCK_D=block,

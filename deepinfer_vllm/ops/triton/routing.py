@@ -45,7 +45,7 @@ import triton.language as tl
 
 from deepinfer_vllm.ops.triton.stored_gemm import stored_gemm
 
-__all__ = ["MAX_PAIRS", "expert_groups", "expert_sum", "route_sqrtsoftplus", "router_logits"]
+__all__ = ["MAX_PAIRS", "add_shared", "expert_groups", "expert_sum", "route_sqrtsoftplus", "router_logits"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LAUNCH = {} if _INTERPRET else dict(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -403,3 +403,32 @@ def expert_sum(
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _add_shared_kernel(r_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out = round_bf16(r + float(s))`` on one block of the flattened rows."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    v = tl.load(r_ptr + i, mask=m, other=0.0) + tl.load(s_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, _round_bf16(v).to(tl.bfloat16), mask=m)
+
+
+def add_shared(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """The MoE's output ``torch.add(routed, shared).to(torch.bfloat16)`` bit for bit, in one pass:
+    fp32 ``routed`` (the experts' sum) plus the bf16 ``shared`` expert's output, rounded once (an
+    fp32 add and a cast wrote and read the fp32 sum once more: 154 + 57 us at 8192 Flash tokens on
+    the H200)."""
+    if routed.dtype != torch.float32 or shared.dtype != torch.bfloat16 or routed.shape != shared.shape:
+        raise ValueError(
+            f"add_shared takes fp32 routed and bf16 shared of one shape, got {routed.dtype} "
+            f"{tuple(routed.shape)} and {shared.dtype} {tuple(shared.shape)}"
+        )
+    routed, shared = routed.contiguous(), shared.contiguous()
+    out = torch.empty(routed.shape, dtype=torch.bfloat16, device=routed.device)
+    n = routed.numel()
+    if n:
+        block = 2048
+        _add_shared_kernel[(triton.cdiv(n, block),)](routed, shared, out, n, BLOCK=block, num_warps=4)
+    return out
+
