@@ -30,7 +30,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # the shared server helpers
 from request_options import Server, run_matrix  # noqa: E402
-from server_process import openai_server  # noqa: E402
+from server_process import on_worker_core, openai_server  # noqa: E402
 
 SCRIPT = textwrap.dedent(
     """
@@ -157,6 +157,7 @@ def _run(checkpoint, prompts, tmp_path, drop_copies=False, **extra) -> tuple[dic
     proc = subprocess.run(
         [sys.executable, str(script), checkpoint, json.dumps(prompts), json.dumps(extra)],
         check=False, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
+        preexec_fn=on_worker_core(),
     )
     log = proc.stdout + proc.stderr
     _no_triton_launch(launches)
@@ -248,7 +249,7 @@ def npu_server(tiny_checkpoint, tmp_path_factory):
             "--max-num-batched-tokens", "32"]
     env = {"DEEPINFER_SIMULATED_NPU": "1", "DEEPINFER_PLATFORM": "auto"}
     launches = _guarded(log_path.parent, env)
-    with openai_server(tiny_checkpoint, args, log_path, env=env) as url:
+    with openai_server(tiny_checkpoint, args, log_path, env=env, pin=True) as url:
         yield url, log_path, launches
 
 
