@@ -431,4 +431,3 @@ def add_shared(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         block = 2048
         _add_shared_kernel[(triton.cdiv(n, block),)](routed, shared, out, n, BLOCK=block, num_warps=4)
     return out
-
