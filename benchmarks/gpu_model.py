@@ -532,6 +532,11 @@ def main() -> None:
         action="store_true",
         help="only the Engram layer's decode, rows in device memory vs host memory (issue 36)",
     )
+    parser.add_argument(
+        "--pdl-baseline",
+        action="store_true",
+        help="also capture and time each graphed case with programmatic dependent launch off (ops/triton/pdl.py)",
+    )
     args = parser.parse_args()
     if args.engram:
         device = torch.device("cpu" if args.dry_run else "cuda")
@@ -580,6 +585,21 @@ def main() -> None:
         f"{'TFLOP/s':>8s} {'% fp8':>6s}"
     )
 
+    def graphed_rows(case, forward, reps, nbytes, flops):
+        """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, in the same run."""
+        from deepinfer_vllm.ops.triton import pdl
+
+        modes = [("graphed", True)] + ([("no PDL", False)] if args.pdl_baseline else [])
+        for mode, enabled in modes:
+            pdl.ENABLED = enabled
+            try:
+                replay = graphed(forward)  # (its warm-up compiles this mode's kernels outside the capture)
+                report(case, mode, timed(replay, reps, device), nbytes, flops)
+            finally:
+                pdl.ENABLED = True
+            del replay
+            torch.cuda.empty_cache()
+
     def report(case, mode, seconds, nbytes, flops):
         roof = nbytes / copy_bw
         print(
@@ -613,10 +633,7 @@ def main() -> None:
         if args.sources:
             sources(forward)
         if device.type == "cuda":
-            replay = graphed(forward)
-            report(name, "graphed", timed(replay, 50, device), nbytes, flops)
-            del replay
-            torch.cuda.empty_cache()
+            graphed_rows(name, forward, 50, nbytes, flops)
     harness.reset()
     prompt = [token(i, arch) for i in range(prefill)]
     ids, positions, metadata = harness.prepare([("prefill", prompt)])
@@ -627,10 +644,7 @@ def main() -> None:
     nbytes, flops = step_cost(arch, dense, per_expert, per_expert_elems, touched, pairs, prefill, prefill)
     report(f"prefill {prefill} tokens", "eager", timed(prefill_forward, 3, device), nbytes, flops)
     if device.type == "cuda":  # the step makes no host synchronisation, so it can be captured too
-        replay = graphed(prefill_forward)
-        report(f"prefill {prefill} tokens", "graphed", timed(replay, 5, device), nbytes, flops)
-        del replay
-        torch.cuda.empty_cache()
+        graphed_rows(f"prefill {prefill} tokens", prefill_forward, 5, nbytes, flops)
     if args.profile:
         profile(prefill_forward, device, steps=1)
     if args.host and device.type == "cuda":

@@ -6,7 +6,8 @@ reader of the weight's bytes (the ceiling); decode M = 1, 2, 64, 256 and prefill
 today's path, ``torch.matmul`` of the fp32-widened operands (cuBLAS SIMT sgemm; the widening
 included, as ``ops.weight_gemm.gemm_stored`` does it), measured in this run. bytes = weight +
 x + out; "% copy" is against the device-to-device copy rate. At M <= ``GEMV_ROWS`` (the CUDA-core
-path) the tensor-core kernel on the same call follows.
+path) the tensor-core kernel on the same call follows; at M >= ``VENDOR_ROWS`` (cuBLAS on the weight's bf16
+parts) the Triton tensor-core kernel on the same call follows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from benchmarks.gpu.fp8_gemm import _read_launcher  # noqa: E402
+from deepinfer_vllm.ops.triton.fp8_gemm import VENDOR_ROWS  # noqa: E402
 from deepinfer_vllm.ops.triton.stored_gemm import GEMV_ROWS, stored_config, stored_gemm  # noqa: E402
 
 SHAPES = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16), (64, 5120, torch.bfloat16)]
@@ -45,6 +47,8 @@ def run(ceilings: Ceilings) -> list[Row]:
             t_ref = time_s(lambda: x.float() @ w.float().t())
             t = time_s(lambda: stored_gemm(x, w, torch.float32))
             cfg = stored_config(m, n, k, dtype == torch.float32)
+            if m >= VENDOR_ROWS:
+                cfg = {"cuBLAS": "bf16x3" if dtype == torch.float32 else "bf16"}
             rows.append(
                 Row(
                     kernel=f"stored_gemm W={str(dtype).removeprefix('torch.')}",
@@ -56,8 +60,8 @@ def run(ceilings: Ceilings) -> list[Row]:
                     baseline_seconds=t_ref,
                 )
             )
-            if m <= GEMV_ROWS:  # the tensor-core kernel on the same call (the choice from 3 rows)
-                tc = stored_config(GEMV_ROWS + 1, n, k, dtype == torch.float32)
+            if m <= GEMV_ROWS or m >= VENDOR_ROWS:  # the Triton tensor-core kernel on the same call
+                tc = stored_config(max(m, GEMV_ROWS + 1), n, k, dtype == torch.float32)
                 t_tc = time_s(lambda: stored_gemm(x, w, torch.float32, config=tc))
                 rows.append(
                     Row(

@@ -322,8 +322,9 @@ class MoeRouter(_Bf16Kernels):
 
 class ExpertGrouping(_Bf16Kernels):
     """``Groups`` of ``ids [T, k]`` over ``experts`` with ``weights [T, k]``: the reference
-    (``expert_groups`` and two gathers), or one Triton launch up to the kernel's ``MAX_PAIRS``
-    pairs (a bound on shapes: no host synchronisation either way)."""
+    (``expert_groups`` and two gathers), or the Triton counting sort (one launch up to the kernel's
+    ``MAX_PAIRS`` pairs, two above; shapes decide: no host synchronisation), which also gives each
+    pair's grouped row so the expert sum reads the grouped output in place."""
 
     name = "moe_expert_groups"
 
@@ -332,15 +333,6 @@ class ExpertGrouping(_Bf16Kernels):
         return Groups(order, offsets, order // ids.shape[1], weights.reshape(-1)[order], None)
 
     def forward_triton(self, ids: torch.Tensor, experts: range, weights: torch.Tensor) -> Groups:
-        if ids.numel() > self.kernels.MAX_PAIRS:
-            # The reference's grouping, with each pair's grouped row (the inverse of ``order``), so
-            # the expert sum reads the grouped output in place: at prefill, putting it back in pair
-            # order first (``in_pair_order``) moved [T * k, hidden] twice.
-            groups = self.forward_native(ids, experts, weights)
-            n = groups.order.numel()
-            position = torch.empty(n, dtype=torch.int32, device=ids.device)
-            position.scatter_(0, groups.order, torch.arange(n, dtype=torch.int32, device=ids.device))
-            return groups._replace(position=position)
         return Groups(*self.kernels.expert_groups(ids, experts, weights))
 
 

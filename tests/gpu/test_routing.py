@@ -88,7 +88,8 @@ def test_route_through_the_gemm(T, device):
     torch.testing.assert_close(got_w[clear], want_w[clear], rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("T", TOKENS + shapes([], [682]))  # 682 x 6: MAX_PAIRS's last whole tokens
+# 682 x 6: MAX_PAIRS's last whole tokens; 684 and 8192 (prefill) tokens: the two-launch path above it
+@pytest.mark.parametrize("T", TOKENS + shapes([], [682, 684, 8192]))
 @pytest.mark.parametrize("experts", [range(0, E), range(96, 144)], ids=["all", "ep8-rank2"])
 def test_expert_groups_bit_exact(T, experts, device):
     g = torch.Generator().manual_seed(T)

@@ -9,8 +9,8 @@ bf16 outputs within that plus one bf16 ulp. That bound is too loose to see a mis
 part of the weight, so sums that are exact in fp32 (one-hot rows of x; sparse x of +-1 times
 20-bit integer weights) are compared bit for bit: they fail if any part of the split is lost.
 Shapes of the release: the compressor's fp32 ``[512, 5120]`` and the router's bf16
-``[384, 5120]``, M = 1 ... 8192, forced K splits; bitwise run-to-run determinism; CUDA-graph
-replay equal to eager bit for bit.
+``[384, 5120]``, M = 1 ... 8192 (from ``VENDOR_ROWS`` on cuBLAS: the same bound, the same exact sums), forced
+K splits; bitwise run-to-run determinism; CUDA-graph replay equal to eager bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import INTERPRET, poison_, shapes
 
+from deepinfer_vllm.ops.triton.fp8_gemm import VENDOR_ROWS
 from deepinfer_vllm.ops.triton.stored_gemm import stored_gemm
 
 RELEASE = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16)]
@@ -140,6 +141,11 @@ def test_stored_gemm_exact_sums_are_exact(device, k):
         for cfg in (None, CONFIGS[5]):
             got = stored_gemm(x[rows : rows + 2], w, torch.float32, config=cfg)
             assert torch.equal(got.view(torch.int32), want[rows : rows + 2].view(torch.int32))
+    if not INTERPRET:  # prefill rows: cuBLAS, each part's sum exact too (multiples of the row's 2^e, < 2^24 of them)
+        reps = -(-VENDOR_ROWS // m)
+        got = stored_gemm(x.repeat(reps, 1), w, torch.float32)
+        assert got.shape[0] >= VENDOR_ROWS
+        assert torch.equal(got.view(torch.int32), want.repeat(reps, 1).view(torch.int32))
 
 
 def test_stored_gemm_special_values(device):
@@ -190,7 +196,7 @@ def test_stored_gemm_deterministic(device, n, k, w_dtype):
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("n,k,w_dtype", RELEASE)
-@pytest.mark.parametrize("m", [1, 2, 64, 256])
+@pytest.mark.parametrize("m", [1, 2, 64, 256, 1024])  # 1024: cuBLAS (VENDOR_ROWS)
 def test_stored_gemm_cuda_graph(device, n, k, w_dtype, m):
     w = make_weight(n, k, w_dtype, seed=14, device=device)
     x_static = make_x(m, k, seed=15, device=device)

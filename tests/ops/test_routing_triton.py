@@ -143,7 +143,9 @@ def test_route_with_the_gemm_and_no_bias(R):
     torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("T,k", [(1, 6), (7, 6), (64, 6), (5, 3), (400, 5), (682, 6)])
+# (684, 6) and (1371, 6): 4104 and 8226 pairs, above MAX_PAIRS (super-block counts first; 8226 is 9 super-blocks,
+# the last one partial, and 129 placing programs, the last one partial too)
+@pytest.mark.parametrize("T,k", [(1, 6), (7, 6), (64, 6), (5, 3), (400, 5), (682, 6), (684, 6), (1371, 6)])
 @pytest.mark.parametrize("experts", [range(0, 12), range(3, 9)], ids=["all", "slice"])
 def test_expert_groups_bit_exact(R, T, k, experts):
     g = torch.Generator().manual_seed(T * k)
@@ -158,11 +160,20 @@ def test_expert_groups_bit_exact(R, T, k, experts):
     assert torch.equal(position.long(), inverse)
 
 
-def test_expert_groups_refuses_more_pairs_than_its_bound(R):
-    k = 8
-    ids = torch.zeros(R.MAX_PAIRS // k + 1, k, dtype=torch.int64)
-    with pytest.raises(ValueError, match="MAX_PAIRS"):
-        R.expert_groups(ids, range(4), torch.ones(ids.shape))
+def test_expert_groups_above_the_bound_reads_super_block_counts(R, monkeypatch):
+    """Above MAX_PAIRS the placing programs take the totals and earlier counts from the first launch's rows;
+    with every pair on one expert (the largest counts) and the bound lowered so a small case crosses it, the
+    order is still the stable one."""
+    k, T = 4, 700
+    ids = torch.full((T, k), 2, dtype=torch.int64)
+    ids[::7, 1] = 5
+    ids[3, :] = -1
+    assert T * k < R.MAX_PAIRS
+    want, want_offsets = moe.expert_groups(ids, range(0, 8))
+    monkeypatch.setattr(R, "MAX_PAIRS", 64)
+    order, offsets, rows, _, position = R.expert_groups(ids, range(0, 8), torch.ones(T, k))
+    assert torch.equal(order, want) and torch.equal(offsets, want_offsets)
+    assert torch.equal(rows, want // k) and torch.equal(position[want].long(), torch.arange(T * k))
 
 
 def _tied_ids(T: int, k: int, seed: int) -> torch.Tensor:
@@ -262,14 +273,14 @@ def test_operators_agree_with_the_reference(R, monkeypatch):
     assert torch.equal(tri[2](summed, rids, torch.bfloat16), ref[2](summed, rids, torch.bfloat16))
 
 
-def test_grouping_above_the_bound_keeps_the_torch_sort(R, monkeypatch):
+def test_grouping_above_the_bound_in_the_layer_op(R, monkeypatch):
     tri = _ops(monkeypatch, "triton", torch.bfloat16)
     g = torch.Generator().manual_seed(10)
     T, k = R.MAX_PAIRS // 8 + 1, 8
     ids = torch.randint(0, 24, (T, k), generator=g)  # experts 16..23 are another rank's
     groups = tri[1](ids, range(0, 16), torch.rand(T, k, generator=g))
     order, _ = moe.expert_groups(ids, range(0, 16))
-    assert torch.equal(groups.order, order)  # the reference's grouping
+    assert torch.equal(groups.order, order)  # the reference's grouping, from the kernels
     # with each pair's grouped row, so the sum reads the grouped rows in place
     assert groups.position.dtype == torch.int32
     assert torch.equal(groups.position[order].long(), torch.arange(T * k))

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.paged_records import RecordFormat
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 
 __all__ = ["store_records", "pool_pairs", "ring_write"]
 
@@ -183,7 +184,9 @@ def _store_records_kernel(
     QMAX: tl.constexpr,  # largest element magnitude (MX formats)
     INV6_BITS: tl.constexpr,  # fp32 bits of 1/6 (NVFP4)
     HAS_KEEP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
     live = r < n
@@ -351,6 +354,7 @@ def store_records(
         HAS_KEEP=keep is not None,
         num_warps=4,
         **_LAUNCH,
+        **pdl_args(xin.device),
     )
 
 
@@ -382,9 +386,11 @@ def _pool_pairs_kernel(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     ACC_FP64: tl.constexpr,  # fp64 accumulation, fp32 output; else fp32 -> bf16 bits
+    PDL: tl.constexpr,
 ):
     """Token ``r`` at position ``p``: pool the pair ``(p - 1, p)``; the first row is the step's row
     ``r - 1`` when position ``p - 1`` is in this step, else the ring's row ``(p - 1) % CAP``."""
+    grid_wait(PDL)
     pid = tl.program_id(0)
     r = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     live = r < n
@@ -449,9 +455,11 @@ def _ring_write_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row ``r`` into its request's ring at ``pos % CAP`` when it is among the request's last
     ``CAP`` positions (the older rows of a long chunk would collide)."""
+    grid_wait(PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     live = r < n
     p = tl.load(pos_ptr + r, mask=live, other=0).to(tl.int64)
@@ -545,6 +553,7 @@ def pool_pairs(
         ACC_FP64=fp64,
         num_warps=4,
         **_LAUNCH,
+        **pdl_args(u.device),
     )
     return out, entry, closes
 
@@ -585,4 +594,5 @@ def ring_write(
         BLOCK_D=block_d,
         ROWS=rows_per,
         num_warps=4,
+        **pdl_args(u.device),
     )

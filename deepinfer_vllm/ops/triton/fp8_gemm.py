@@ -26,6 +26,7 @@ in prefill"); the bf16 copy is transient (2 bytes per weight).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -34,6 +35,7 @@ import triton.language as tl
 
 from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE, gluon_fp8_block_gemm, gluon_fp8_supported
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import (
     FIXUP_ROWS,
     OUT_KINDS,
@@ -45,7 +47,10 @@ from deepinfer_vllm.ops.triton.splitk import (
     store_out,
 )
 
-__all__ = ["ACT_MODES", "MAX_SCALE_BYTE", "VENDOR_ROWS", "fp8_block_decode", "fp8_block_gemm", "pick_config"]
+__all__ = [
+    "ACT_MODES", "MAX_SCALE_BYTE", "VENDOR_ROWS", "fp8_block_decode", "fp8_block_gemm", "fp32_reductions",
+    "pick_config",
+]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_MODES = ("bf16", "mxfp8")
@@ -154,7 +159,9 @@ def _fp8_gemm_kernel(
     SPLIT: tl.constexpr,
     OUT_KIND: tl.constexpr,
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -215,8 +222,11 @@ def gemm_activations(x: torch.Tensor, act: str) -> torch.Tensor:
 
 
 @triton.jit
-def _fp8_decode_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s, BN: tl.constexpr, BK: tl.constexpr):
+def _fp8_decode_kernel(
+    w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr
+):
     """``out[n, k] = e4m3(w[n, k]) * 2^(s[n // 32, k // 32] - 127)`` as bf16 (exact: the tile decode)."""
+    grid_wait(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     m = (n < N)[:, None] & (k < K)[None, :]
@@ -234,9 +244,23 @@ def fp8_block_decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
     if n and k:
         _fp8_decode_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](
-            w, s, out, n, k, w.stride(0), s.stride(0), BN=32, BK=256, num_warps=4
+            w, s, out, n, k, w.stride(0), s.stride(0), BN=32, BK=256, num_warps=4,
+            **pdl_args(w.device),
         )
     return out
+
+
+@contextlib.contextmanager
+def fp32_reductions():
+    """cuBLAS with fp32 accumulation throughout: reduced-precision (bf16) reductions off for the block, the
+    previous setting restored after it (also on an exception)."""
+    flags = torch.backends.cuda.matmul
+    reduced = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = reduced
 
 
 def _vendor_gemm(
@@ -248,15 +272,10 @@ def _vendor_gemm(
     wb = fp8_block_decode(weight, scale)
     n, k = wb.shape
     ng = n // groups
-    flags = torch.backends.cuda.matmul
-    reduced = flags.allow_bf16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = False
-    try:
+    with fp32_reductions():
         for g in range(groups):
             cols, rows = slice(g * k, (g + 1) * k), slice(g * ng, (g + 1) * ng)
             torch.mm(xv[:, cols], wb[rows].t(), out=out[:, rows])
-    finally:
-        flags.allow_bf16_reduced_precision_reduction = reduced
     return out
 
 
@@ -335,6 +354,7 @@ def fp8_block_gemm(
         OUT_KIND=kind,
         F32_DOT=_INTERPRET,
         **cfg,
+        **pdl_args(xv.device),
     )
     if split > 1 and not fixup:
         splitk_reduce(part, out)

@@ -40,6 +40,7 @@ import torch
 import triton
 
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE
+from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_counters, split_k, splitk_reduce
 
 if GLUON_AVAILABLE:
@@ -155,7 +156,9 @@ if GLUON_AVAILABLE:
         OUT_BF16: gl.constexpr,
         ASYNC: gl.constexpr,
         FIXUP: gl.constexpr,  # SPLIT > 1: the tile's last program adds the partials (else ``splitk_reduce``)
+        PDL: gl.constexpr,
     ):
+        gluon_grid_wait(PDL)
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
@@ -341,6 +344,7 @@ def gluon_fp8_block_gemm(
         FIXUP=fixup,
         num_warps=4 * wg,
         maxnreg=cfg.get("MAXNREG"),
+        **pdl_args(xi.device),
     )
     if split > 1 and not fixup:
         splitk_reduce(part, out)

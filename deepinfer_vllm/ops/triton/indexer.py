@@ -33,6 +33,7 @@ import triton.language as tl
 from deepinfer_vllm.ops.paged_indexer import check_index_cache
 from deepinfer_vllm.ops.triton.e2m1 import e2m1_pairs_f16, e2m1_quads_f16, e2m1_scaled
 from deepinfer_vllm.ops.triton.indexer_gluon import gluon_index_scores, gluon_supported
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.topk import candidate_blocks, topk_indices
 
 __all__ = [
@@ -196,7 +197,9 @@ def _index_scores_kernel(
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, CB: tl.constexpr,
     SPARSE: tl.constexpr, ROUND: tl.constexpr, MODE: tl.constexpr,
     PREFETCH: tl.constexpr, L2PF: tl.constexpr, ASM: tl.constexpr, I16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     VB: tl.constexpr = D // 2  # packed value bytes per record
     pid = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -428,7 +431,9 @@ def _launch(q, w, index_cache, block_table, token_req, visible, page_n, cand, ca
     while True:
         extra = {"maxnreg": maxnreg} if maxnreg else {}
         try:
-            _index_scores_kernel[grid](*args, MODE=mode, L2PF=l2pf, ASM=q.is_cuda, **kwargs, **extra)
+            _index_scores_kernel[grid](
+                *args, MODE=mode, L2PF=l2pf, ASM=q.is_cuda, **kwargs, **extra, **pdl_args(q.device)
+            )
             return out
         except Exception as exc:  # pragma: no cover - a Triton that cannot lower an option
             if not q.is_cuda:

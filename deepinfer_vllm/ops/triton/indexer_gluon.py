@@ -20,6 +20,7 @@ import torch
 import triton
 
 from deepinfer_vllm.ops.triton.e2m1 import E4M3_LOOKUP_PTX, E4M3_TABLE_SHIFTS, e4m3_lookup_tables
+from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
 
 try:  # Gluon ships with Triton >= 3.5; its Hopper API is what this file targets (3.6)
     from triton.experimental import gluon
@@ -173,7 +174,9 @@ if GLUON_AVAILABLE:
         STAGES: gl.constexpr, CB: gl.constexpr,
         SPARSE: gl.constexpr, ROUND: gl.constexpr, SROWS: gl.constexpr,
         TIMELINE: gl.constexpr = False,
+        PDL: gl.constexpr = False,
     ):
+        gluon_grid_wait(PDL)
         BM: gl.constexpr = 64  # keys per tile: one wgmma M block of the 4 warps
         LOG2_PAGE: gl.constexpr = PAGE_N.bit_length() - 1
         # Register layouts. WL: the int16 words of a tile as [key, block c, word r]; thread
@@ -419,6 +422,7 @@ def gluon_index_scores(q, w, index_cache, block_table, token_req, visible, page_
         H=H, HP=hp, PAGE_N=page_n, STAGES=stages,
         CB=cand_block if sparse else 1, SPARSE=sparse, ROUND=round_code, SROWS=srows, num_warps=4,
         TIMELINE=timeline is not None, **({"maxnreg": maxnreg} if maxnreg else {}),
+        **pdl_args(q.device),
     )
     if variant not in _CTAS_PER_SM:
         _CTAS_PER_SM[variant] = _resident_ctas(kernel)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.triton.indexer import _round_bf16
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.stored_gemm import bf16x3, dot_bf16, widen_bf16
 
 __all__ = ["MIX_CHUNK", "hc_collapse_norm", "hc_expand", "hc_mix", "mix_tile", "rms_norm"]
@@ -82,11 +83,13 @@ def _hc_mix_partial_kernel(
     NP: tl.constexpr,
     BF16_X: tl.constexpr,  # bf16 streams: fn split into three bf16 parts on the tensor cores
     F32_DOT: tl.constexpr,  # interpreter: the bf16 dots widened to fp32 (same products)
+    PDL: tl.constexpr,
 ):
     """Split ``pid(1)``'s columns: ``part[s, t, n] = sum_k x[t, k] fn[n, k]``, ``sq[s, t] = sum_k x^2``.
 
     Column ``k`` of a row is stream ``k // D``'s entry ``k % D``, at ``(k // D) * stride_i + k % D``
     (a ``BK`` step stays in one stream unless ``stride_i == D``)."""
+    grid_wait(PDL)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     s = tl.program_id(1)
     n = tl.arange(0, NP)
@@ -151,6 +154,7 @@ def _hc_mix_split_kernel(
     ROWS: tl.constexpr,
     SC: tl.constexpr,
     SPLITS: tl.constexpr,  # a constant: the loop over blocks of SC splits unrolls
+    PDL: tl.constexpr,
 ):
     """Sum the splits, scale by ``rsqrt(mean(x^2) + eps)`` and form ``pre``, ``post``, ``comb``.
 
@@ -161,6 +165,7 @@ def _hc_mix_split_kernel(
     token per one-warp program with all 80 in one tree: 17 -> 11 us).
     Finishing in the projection's last program instead (one launch) measured slower: 16 rows
     per program there against 4 here (41 against 29 us at B=1)."""
+    grid_wait(PDL)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = t < T
     i = tl.arange(0, HC)
@@ -260,6 +265,7 @@ def hc_mix(
         BF16_X=streams.dtype == torch.bfloat16,
         F32_DOT=_INTERPRET,
         num_warps=warps,
+        **pdl_args(streams.device),
     )
     _hc_mix_split_kernel[(triton.cdiv(T, _SPLIT_ROWS),)](
         part,
@@ -282,6 +288,7 @@ def hc_mix(
         SC=_SPLIT_SUM,
         SPLITS=splits,
         num_warps=_SPLIT_WARPS,
+        **pdl_args(part.device),
     )
     return pre, post, comb
 
@@ -300,8 +307,10 @@ def _hc_collapse_norm_kernel(
     BLOCK_D: tl.constexpr,
     OUT_BF16: tl.constexpr,
     PRE: tl.constexpr,  # False: one stream, no weights (a plain RMSNorm of s[t, 0])
+    PDL: tl.constexpr,
 ):
     """``out[t] = rms_norm(round(sum_i pre[t, i] * s[t, i]), w)`` for one token."""
+    grid_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     m = d < D
@@ -339,6 +348,7 @@ def _collapse_norm(streams: torch.Tensor, pre: torch.Tensor | None, weight: torc
             OUT_BF16=streams.dtype == torch.bfloat16,
             PRE=pre is not None,
             num_warps=min(16, max(4, block // 512)),
+            **pdl_args(streams.device),
         )
     return out
 
@@ -371,8 +381,10 @@ def _hc_expand_kernel(
     HC: tl.constexpr,
     BLOCK_D: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * s[t, j]`` on one column block."""
+    grid_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = d < D
@@ -415,5 +427,6 @@ def hc_expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
             BLOCK_D=block,
             OUT_BF16=streams.dtype == torch.bfloat16,
             num_warps=4,
+            **pdl_args(y.device),
         )
     return out

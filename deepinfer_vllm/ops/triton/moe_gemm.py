@@ -40,6 +40,7 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
     weight_bytes,
 )
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_grouped_fp4_gemm, gluon_moe_supported
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, splitk_reduce, store_out
 
 __all__ = ["check_grouped_args", "check_rows", "grouped_fp4_gemm", "moe_config"]
@@ -147,7 +148,9 @@ def _moe_gemm_kernel(
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
     GATHER: tl.constexpr,
     ZERO_REST: tl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     grid_m = tl.num_programs(1)
@@ -446,6 +449,7 @@ def grouped_fp4_gemm(
         GATHER=rows is not None,
         ZERO_REST=zero_rest,
         **cfg,
+        **pdl_args(xv.device),
     )
     if split > 1:
         splitk_reduce(target, out, offs[e_count:])

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
 
 try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
@@ -146,7 +147,9 @@ if GLUON_AVAILABLE:
         OUT_BF16: gl.constexpr,
         GATHER: gl.constexpr,
         ZERO_REST: gl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
+        PDL: gl.constexpr,
     ):
+        gluon_grid_wait(PDL)
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         grid_m = gl.num_programs(1)
@@ -357,6 +360,7 @@ def gluon_grouped_fp4_gemm(
         ZERO_REST=zero_rest,
         num_warps=4,
         maxnreg=cfg.get("MAXNREG"),
+        **pdl_args(xi.device),
     )
     if split > 1:
         splitk_reduce(target, out, expert_offsets[e_count:])

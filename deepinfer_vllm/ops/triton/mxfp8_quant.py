@@ -23,6 +23,7 @@ from deepinfer_vllm.ops.triton.cache_store import (
     _pow2,
     _pow2_exponent,
 )
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 
 __all__ = ["mxfp8_quantize", "mxfp8_qdq"]
 
@@ -43,7 +44,9 @@ def _mxfp8_quant_kernel(
     FLOOR_BITS: tl.constexpr,
     QMAX: tl.constexpr,
     QDQ: tl.constexpr,  # write the round trip as bf16 bits to v_ptr (no scales), else bytes
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     b = tl.program_id(1) * NB + tl.arange(0, NB)
     j = tl.arange(0, 32)
@@ -119,5 +122,6 @@ def _launch(x: torch.Tensor, qdq: bool):
         QDQ=qdq,
         num_warps=4,
         **_LAUNCH,
+        **pdl_args(x.device),
     )
     return values if qdq else (values, scales)

@@ -27,6 +27,7 @@ import triton.language as tl
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.triton.cache_store import _LAUNCH, _e2m1, _f32_bits, _mul, _pow2, _pow2_exponent
 from deepinfer_vllm.ops.triton.mhc import _narrow
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 
 __all__ = ["QDQ_FORMATS", "rope_tail"]
 
@@ -87,7 +88,9 @@ def _rope_tail_kernel(
     QDQ: tl.constexpr,  # MXFP4 round trip of every 32-entry block after the rotation
     COPY_LEAD: tl.constexpr,  # copy the leading entries unchanged (False: out is x, in place)
     PAIR32: tl.constexpr,  # bf16 with every pair 4-byte aligned in x and out: pairs as int32 words
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
@@ -202,5 +205,6 @@ def rope_tail(
             PAIR32=bf16 and _words_aligned(x3, out, D - rotary),
             num_warps=4,
             **_LAUNCH,
+            **pdl_args(x3.device),
         )
     return x if in_place else out.view(x.shape)

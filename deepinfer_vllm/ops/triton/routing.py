@@ -15,7 +15,9 @@ forty elementwise launches per layer step; here:
   pairs of the same expert); no program waits for another. It writes, besides
   ``order`` and ``offsets``, the gathered token rows, the routing weights in grouped order and
   each pair's grouped row (the inverse permutation). Above ``MAX_PAIRS`` pairs (a bound on
-  shapes, decided on the host) the caller keeps the torch sort;
+  shapes, decided on the host; prefill) a first launch histograms each super-block of ``_SUPER``
+  pairs and the placing programs add those rows instead of histogramming every pair (at 8192
+  Flash tokens this replaces torch's radix sort, scatters and gathers: 8 + ~6 launches);
 * ``expert_sum``: per token, its ``k`` rows (optionally fetched through the inverse permutation,
   so the grouped GEMM's output is read in place, with no scatter) rounded to the model dtype and
   summed in ascending expert id in fp32, from zero, as the reference does.
@@ -43,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.triton.indexer import _round_bf16
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.stored_gemm import stored_gemm
 
 __all__ = ["MAX_PAIRS", "add_shared", "expert_groups", "expert_sum", "route_sqrtsoftplus", "router_logits"]
@@ -58,9 +62,11 @@ def _torch_version() -> tuple[int, int]:
 
 # torch >= 2.10 reduces a warp's lanes with decreasing shuffle offsets (pytorch/pytorch#164790).
 TREE_DESCENDING = _torch_version() >= (2, 10)
-# Pairs (tokens x top-k) up to which ``expert_groups`` counting-sorts in one launch.
+# Pairs (tokens x top-k) up to which ``expert_groups`` counting-sorts in one launch (every program histograms
+# all pairs); above, a first launch counts each super-block of ``_SUPER`` pairs.
 MAX_PAIRS = 4096
 _CHUNK = 64  # pairs placed per program (a [CHUNK, CHUNK] comparison; H200: 64 beat 128, 256)
+_SUPER = 1024
 _GROUP_WARPS = 4
 
 
@@ -122,8 +128,10 @@ def _route_kernel(
     HAS_VL: tl.constexpr,
     NORM: tl.constexpr,
     DESC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Token ``pid``: scores, the top ``K`` of score + bias (stable), normalised weights."""
+    grid_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     valid = e < E
@@ -218,6 +226,7 @@ def route_from_logits(
         K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E), LANES=lanes,
         LOG_LANES=lanes.bit_length() - 1, HAS_VL=has_vl, NORM=norm_topk_prob, DESC=TREE_DESCENDING,
         num_warps=4, **_LAUNCH,
+        **pdl_args(logits.device),
     )
     return weights, ids
 
@@ -236,6 +245,16 @@ def _pair_keys(ids_ptr, p, live, start, n, TRASH: tl.constexpr):
 
 
 @triton.jit
+def _super_counts_kernel(ids_ptr, counts_ptr, P, start, n, NB: tl.constexpr, SUPER: tl.constexpr, PDL: tl.constexpr):
+    """Pairs per key in super-block ``pid`` (pairs ``pid * SUPER ...``): row ``pid`` of ``counts [*, NB]``."""
+    grid_wait(PDL)
+    p = tl.program_id(0) * SUPER + tl.arange(0, SUPER)
+    live = p < P
+    keys = _pair_keys(ids_ptr, p, live, start, n, NB - 1)
+    tl.store(counts_ptr + tl.program_id(0) * NB + tl.arange(0, NB), tl.histogram(keys, NB, mask=live))
+
+
+@triton.jit
 def _groups_kernel(
     ids_ptr,
     w_ptr,
@@ -244,6 +263,7 @@ def _groups_kernel(
     rows_ptr,
     pw_ptr,
     pos_ptr,
+    counts_ptr,
     P,
     start,
     n,
@@ -251,19 +271,41 @@ def _groups_kernel(
     NB: tl.constexpr,
     PB: tl.constexpr,
     CHUNK: tl.constexpr,
+    SUPER: tl.constexpr,
+    COUNTED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Counting sort of the pairs by local expert, stable by pair index: program ``pid`` places
-    pairs ``pid * CHUNK ...`` at ``offsets[e]`` + (earlier pairs of ``e``) + (earlier in chunk)."""
+    pairs ``pid * CHUNK ...`` at ``offsets[e]`` + (earlier pairs of ``e``) + (earlier in chunk).
+    ``COUNTED``: the per-key totals and the earlier pairs come from ``_super_counts_kernel``'s rows
+    (those of the super-blocks before this chunk's, plus a histogram of its super-block's pairs
+    before the chunk); else every program histograms all ``P <= PB`` pairs itself."""
+    grid_wait(PDL)
     TRASH: tl.constexpr = NB - 1
     c0 = tl.program_id(0) * CHUNK
-    q = tl.arange(0, PB)
-    keys = _pair_keys(ids_ptr, q, q < P, start, n, TRASH)
-    counts = tl.histogram(keys, NB, mask=q < P)
+    if COUNTED:
+        sb = c0 // SUPER
+        counts = tl.zeros([NB], tl.int32)
+        earlier = tl.zeros([NB], tl.int32)
+        cols = tl.arange(0, NB)
+        for r0 in range(0, tl.cdiv(P, SUPER), 16):
+            r = r0 + tl.arange(0, 16)
+            tile = tl.load(counts_ptr + r[:, None] * NB + cols[None, :], mask=(r * SUPER < P)[:, None], other=0)
+            counts += tl.sum(tile, 0)
+            earlier += tl.sum(tl.where((r < sb)[:, None], tile, 0), 0)
+        q = sb * SUPER + tl.arange(0, SUPER)
+        before = q < c0
+        earlier += tl.histogram(_pair_keys(ids_ptr, q, before, start, n, TRASH), NB, mask=before)
+    else:
+        q = tl.arange(0, PB)
+        keys = _pair_keys(ids_ptr, q, q < P, start, n, TRASH)
+        counts = tl.histogram(keys, NB, mask=q < P)
+        earlier = tl.histogram(keys, NB, mask=q < c0)
     starts = tl.cumsum(counts, 0) - counts
     if tl.program_id(0) == 0:
         b = tl.arange(0, NB)
         tl.store(offsets_ptr + b, starts.to(tl.int64), mask=b <= n)
-    base = starts + tl.histogram(keys, NB, mask=q < c0)  # + the earlier chunks' pairs per expert
+    base = starts + earlier  # + the earlier chunks' pairs per expert
     c = tl.arange(0, CHUNK)
     p = c0 + c
     live = p < P
@@ -277,13 +319,11 @@ def _groups_kernel(
 
 
 def expert_groups(ids: torch.Tensor, experts: range, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``ops.moe.expert_groups(ids, experts)`` and what goes with it, in one launch: ``(order,
-    offsets, rows, weights, position)`` as ``ops.moe.Groups`` describes them (``position`` int32);
-    ``ids [T, k]`` with ``T * k <= MAX_PAIRS`` (the caller checks: shapes only)."""
+    """``ops.moe.expert_groups(ids, experts)`` and what goes with it: ``(order, offsets, rows, weights,
+    position)`` as ``ops.moe.Groups`` describes them (``position`` int32). One launch up to ``MAX_PAIRS``
+    pairs, two above (per-super-block counts first); any ``T`` (shapes only decide: no host synchronisation)."""
     T, k = ids.shape
     P = T * k
-    if P > MAX_PAIRS:
-        raise ValueError(f"{P} pairs exceed MAX_PAIRS={MAX_PAIRS}; use ops.moe.expert_groups")
     n = len(experts)
     dev = ids.device
     order = torch.empty(P, dtype=torch.int64, device=dev)
@@ -294,10 +334,20 @@ def expert_groups(ids: torch.Tensor, experts: range, weights: torch.Tensor) -> t
     if P == 0:
         offsets.zero_()
         return order, offsets, rows, pw, pos
+    ids = ids.contiguous()
+    nb = triton.next_power_of_2(n + 2)
+    counted = P > MAX_PAIRS
+    counts = pos  # unused unless counted
+    if counted:
+        counts = torch.empty(triton.cdiv(P, _SUPER), nb, dtype=torch.int32, device=dev)
+        _super_counts_kernel[(counts.shape[0],)](
+            ids, counts, P, experts.start, n, NB=nb, SUPER=_SUPER, num_warps=_GROUP_WARPS, **pdl_args(dev)
+        )
     _groups_kernel[(triton.cdiv(P, _CHUNK),)](
-        ids.contiguous(), weights.contiguous(), order, offsets, rows, pw, pos, P, experts.start, n,
-        K=k, NB=triton.next_power_of_2(n + 2), PB=triton.next_power_of_2(P), CHUNK=_CHUNK,
+        ids, weights.contiguous(), order, offsets, rows, pw, pos, counts, P, experts.start, n,
+        K=k, NB=nb, PB=1 if counted else triton.next_power_of_2(P), CHUNK=_CHUNK, SUPER=_SUPER, COUNTED=counted,
         num_warps=_GROUP_WARPS,
+        **pdl_args(dev),
     )
     return order, offsets, rows, pw, pos
 
@@ -305,14 +355,6 @@ def expert_groups(ids: torch.Tensor, experts: range, weights: torch.Tensor) -> t
 # ---------------------------------------------------------------------------
 # Sum of a token's expert outputs
 # ---------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> nearest bf16 (ties to even), kept in fp32, by bits (the interpreter's cast truncates)."""
-    b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -331,8 +373,10 @@ def _expert_sum_kernel(
     HAS_POS: tl.constexpr,
     HAS_LIVE: tl.constexpr,  # grouped rows at or past live_ptr[0] are read as zero
     ROUND_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Token ``pid(0)``, columns block ``pid(1)``: its rows summed in ascending (id, slot)."""
+    grid_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -401,13 +445,15 @@ def expert_sum(
         HAS_LIVE=live is not None,
         ROUND_BF16=dtype == torch.bfloat16 and y.dtype == torch.float32,
         num_warps=4,
+        **pdl_args(y.device),
     )
     return out
 
 
 @triton.jit
-def _add_shared_kernel(r_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _add_shared_kernel(r_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``out = round_bf16(r + float(s))`` on one block of the flattened rows."""
+    grid_wait(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     v = tl.load(r_ptr + i, mask=m, other=0.0) + tl.load(s_ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -429,5 +475,7 @@ def add_shared(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     n = routed.numel()
     if n:
         block = 2048
-        _add_shared_kernel[(triton.cdiv(n, block),)](routed, shared, out, n, BLOCK=block, num_warps=4)
+        _add_shared_kernel[(triton.cdiv(n, block),)](
+            routed, shared, out, n, BLOCK=block, num_warps=4, **pdl_args(routed.device)
+        )
     return out

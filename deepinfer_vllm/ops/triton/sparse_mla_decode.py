@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.triton.e2m1 import e2m1_pairs_f16
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.sparse_mla_decode_gluon import gluon_decode, gluon_decode_supported
 
 __all__ = ["DecodeConfig", "auto_splits", "default_config", "sparse_mla_decode"]
@@ -246,7 +247,9 @@ def _sparse_mla_decode_kernel(
     PARTIAL: tl.constexpr, TILE_DTYPE: tl.constexpr, DOT_F32: tl.constexpr,
     SPLIT_S: tl.constexpr, LAZY_RESCALE: tl.constexpr, FAST_FP4: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     t = tl.program_id(0)
     split = tl.program_id(1)
 
@@ -378,12 +381,14 @@ def _combine_kernel(
     T, H,
     SPLITS: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
     H_PAD: tl.constexpr, CHUNK_H: tl.constexpr, CHUNK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the ``SPLITS`` partial (m, l, acc) of one token's ``CHUNK_H x CHUNK_D`` piece.
 
     The split loop is unrolled (``SPLITS`` is a compile-time constant), so every split's
     loads are in flight together: the merge is one memory round trip, not one per split. One
     compiled variant per split count (``auto_splits`` gives a handful)."""
+    grid_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * CHUNK_H + tl.arange(0, CHUNK_H)
     d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
@@ -690,6 +695,7 @@ def _launch(o: _Operands, cfg: DecodeConfig) -> None:
         FAST_FP4=cfg.fast_fp4 and not interpret and q.dtype == torch.bfloat16,
         PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(q.device),
     )
     if splits > 1:
         _combine(part_acc, part_m, part_l, out, splits, h_pad, block_d)
@@ -711,6 +717,7 @@ def _combine(part_acc, part_m, part_l, out, splits: int, h_pad: int, block_d: in
         T, H,
         SPLITS=splits, D=D, ROW=block_d, H_PAD=h_pad, CHUNK_H=chunk_h, CHUNK_D=chunk_d,
         num_warps=max(1, min(8, chunk_h * chunk_d // 256)),
+        **pdl_args(part_acc.device),
     )
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
+
 try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -711,7 +713,9 @@ if GLUON_AVAILABLE:
         H_PAD: gl.constexpr, PARTIAL: gl.constexpr, Q_TMA: gl.constexpr,
         PV1_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         dbg_ptr, DBG_NT: gl.constexpr,
+        PDL: gl.constexpr,
     ):
+        gluon_grid_wait(PDL)
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
         QSL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
@@ -830,4 +834,5 @@ def gluon_decode(o, splits: int, part_acc, part_m, part_l, h_pad: int,
         dbg_ptr=timing if timing is not None else part_m,
         DBG_NT=timing.shape[-1] if timing is not None else 0,
         num_warps=4, maxnreg=maxnreg,
+        **pdl_args(q.device),
     )

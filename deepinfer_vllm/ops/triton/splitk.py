@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
+
 __all__ = [
     "FIXUP_ROWS",
     "OUT_KINDS",
@@ -92,8 +94,10 @@ def _splitk_reduce_kernel(
     HAS_LIMIT: tl.constexpr,  # rows >= *limit_ptr are written as zeros (grouped GEMM)
     BLOCK: tl.constexpr,
     OUT_KIND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[m, n] = sum_s part[s, m, n]``, s in order 0..SPLIT-1 (deterministic)."""
+    grid_wait(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     total = M * N
     mask = i < total
@@ -122,6 +126,7 @@ def splitk_reduce(part: torch.Tensor, out: torch.Tensor, limit: torch.Tensor | N
         BLOCK=block,
         OUT_KIND=kind,
         num_warps=4,
+        **pdl_args(part.device),
     )
 
 

@@ -37,6 +37,14 @@ bound, bit-exact where every partial sum is representable), K split over up to 8
 SM, the lanes summed by a fixed tree. Measured on the H200 (benchmarks/README.md, "The layer
 step, third session"): 7.8 against 10.6 us for the fp32 ``[512, 5120]`` at one row, where a
 plain reader of the same 10.5 MB takes 5.3 us; from three rows the tensor cores are as fast.
+
+Prefill-sized calls (at least ``fp8_gemm.VENDOR_ROWS`` rows, on CUDA) run on cuBLAS instead, as the dense FP8
+GEMM's do: bf16 operands with fp32 output (``out_dtype``) and fp32 accumulation (reduced-precision reductions
+off), a bf16 weight in one product, an fp32 weight as its three exact bf16 parts (the split above, one pass over
+the weight per call), ``lo`` first, each next part's product added to the previous ones in the GEMM's epilogue
+(``addmm``): the same exact products, summed in cuBLAS's order within each part and then part by part, so the
+bound above holds; the result is rounded once to ``out_dtype``. (The Triton kernel reached about 420 TFLOP/s of
+bf16 work at 8192 rows, counting the three parts; cuBLAS reaches the bf16 rate's ~650-790 on the same shapes.)
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_vllm.ops.triton.fp8_gemm import gemm_output, pick_config, store_tile
+from deepinfer_vllm.ops.triton.fp8_gemm import VENDOR_ROWS, fp32_reductions, gemm_output, pick_config, store_tile
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import (
     FIXUP_ROWS,
     OUT_KINDS,
@@ -111,7 +120,8 @@ def dot_bf16(a, b, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _split_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    grid_wait(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     hi, mid, lo = bf16x3(tl.load(w_ptr + i, mask=mask, other=0.0))
@@ -125,7 +135,9 @@ def split_bf16x3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     flat = w.detach().reshape(-1).contiguous().float()
     out = torch.empty(3, flat.numel(), dtype=torch.int16, device=w.device)
     if flat.numel():
-        _split_kernel[(triton.cdiv(flat.numel(), 1024),)](flat, out, flat.numel(), BLOCK=1024)
+        _split_kernel[(triton.cdiv(flat.numel(), 1024),)](
+            flat, out, flat.numel(), BLOCK=1024, **pdl_args(flat.device)
+        )
     hi, mid, lo = out.view(torch.bfloat16)
     return hi.view(w.shape), mid.view(w.shape), lo.view(w.shape)
 
@@ -154,7 +166,9 @@ def _stored_gemm_kernel(
     OUT_KIND: tl.constexpr,
     W_F32: tl.constexpr,  # fp32 weight: three bf16 dots (hi, mid, lo), else one
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -206,10 +220,12 @@ def _stored_gemv_kernel(
     SPLIT: tl.constexpr,
     OUT_KIND: tl.constexpr,
     W_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A few rows of x on CUDA cores: each program streams ``BN`` weight rows over its K split once,
     multiplying every row of x held in registers; one fp32 accumulator per (weight row, x row, K
     lane), summed over the lanes by a fixed tree at the end."""
+    grid_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -277,6 +293,18 @@ def stored_config(m: int, n: int, k: int, w_fp32: bool, sms: int = 132) -> dict:
     return cfg
 
 
+def _vendor_stored(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x @ W.T`` on cuBLAS (module docstring): one product for a bf16 weight, three added in the epilogue,
+    smallest part first, for an fp32 one."""
+    with fp32_reductions():
+        if weight.dtype == torch.bfloat16:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        hi, mid, lo = split_bf16x3(weight)
+        acc = torch.mm(x, lo.t(), out_dtype=torch.float32)
+        acc = torch.addmm(acc, x, mid.t(), out_dtype=torch.float32)
+        return torch.addmm(acc, x, hi.t(), out_dtype=torch.float32)
+
+
 def stored_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -305,6 +333,8 @@ def stored_gemm(
     if x.stride(1) != 1:
         x = x.contiguous()
     w_fp32 = weight.dtype == torch.float32
+    if config is None and m >= VENDOR_ROWS and x.is_cuda:
+        return _vendor_stored(x, weight).to(out.dtype)
     cfg, split, k_per_split = split_k(
         dict(config) if config else stored_config(m, n, k, w_fp32, sms=sm_count(x.device)), k
     )
@@ -338,6 +368,7 @@ def stored_gemm(
         OUT_KIND=kind,
         W_F32=w_fp32,
         **cfg,
+        **pdl_args(x.device),
     )
     if split > 1 and not fixup:
         splitk_reduce(part, out)

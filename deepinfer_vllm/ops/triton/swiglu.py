@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.stored_gemm import widen_bf16
 
 __all__ = ["IN_DTYPES", "OUT_DTYPES", "swiglu"]
@@ -106,8 +107,10 @@ def _swiglu_kernel(
     IN_BF16: tl.constexpr,
     OUT_BF16: tl.constexpr,
     HAS_LIVE: tl.constexpr,  # rows at or past *live_ptr are not computed
+    PDL: tl.constexpr,
 ):
     """Rows ``pid0 * BLOCK_R ...``, columns ``pid1 * BLOCK_W ...`` of the activation."""
+    grid_wait(PDL)
     n_rows = N
     if HAS_LIVE:
         n_rows = tl.minimum(tl.load(live_ptr).to(tl.int32), N)
@@ -187,5 +190,6 @@ def swiglu(
         HAS_LIVE=live_rows is not None,
         num_warps=_WARPS,
         **_LAUNCH,
+        **pdl_args(g2.device),
     )
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
+
 __all__ = [
     "topk_indices", "block_scores", "candidate_blocks", "choose_block_reduction", "choose_reg_reduction",
 ]
@@ -297,7 +299,9 @@ def _topk_kernel(
     map_ptr, stride_map,
     HAS_LEN: tl.constexpr, S1: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr,
     DBITS: tl.constexpr, MAP_B: tl.constexpr, FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * stride_s
     orow = out_ptr + row * stride_o
@@ -333,7 +337,9 @@ def _topk_kernel(
 def _block_scores_kernel(
     s_ptr, stride_s, vis_ptr, n_cols, nb, out_ptr, stride_o,
     CB: tl.constexpr, BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     pb = tl.program_id(1)
     vis = tl.load(vis_ptr + row).to(tl.int32)
@@ -425,8 +431,10 @@ def _collect_reg(key, idx, thr, need, dst):
 def _bmax_kernel(
     s_ptr, stride_s, len_ptr, n_cols, m1_ptr, stride_m1,
     HAS_LEN: tl.constexpr, S1: tl.constexpr, RB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``m1[t, b]`` = key of the max of ``scores[t, b*S1 : (b+1)*S1]`` (0: none selectable)."""
+    grid_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     n = n_cols + 0
     if HAS_LEN:
@@ -448,10 +456,12 @@ def _reg_topk_kernel(
     map_ptr, stride_map,
     HAS_LEN: tl.constexpr, S1: tl.constexpr, NA: tl.constexpr, NG: tl.constexpr,
     DBITS: tl.constexpr, MAP_B: tl.constexpr, FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row per program. ``S1 == 1``: the row (``<= NA`` entries) in registers. ``S1 > 1``:
     the ``k`` blocks of largest maximum (``_bmax_kernel``'s ``NA`` keys, ties to the lower
     block) hold the answer; their ``<= NG`` entries are gathered into registers."""
+    grid_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * stride_s
     orow = out_ptr + row * stride_o
@@ -658,6 +668,7 @@ def topk_indices(
         HAS_LEN=lengths is not None, S1=s1, BLOCK=block, BLOCK2=block2,
         DBITS=dbits, MAP_B=map_b, FILL=fill,
         num_warps=8 if num_warps is None else num_warps,
+        **pdl_args(scores.device),
     )
     return out
 
@@ -677,6 +688,7 @@ def _topk_reg(scores, k, lengths, lens, out, mp, map_b, s1, dbits, num_warps, fi
         _bmax_kernel[(T, triton.cdiv(n1, rb))](
             scores, scores.stride(0), lens, N, m1, m1.stride(0),
             HAS_LEN=lengths is not None, S1=s1, RB=rb, num_warps=4,
+            **pdl_args(scores.device),
         )
     _reg_topk_kernel[(T,)](
         scores, scores.stride(0), lens, N, k,
@@ -686,6 +698,7 @@ def _topk_reg(scores, k, lengths, lens, out, mp, map_b, s1, dbits, num_warps, fi
         HAS_LEN=lengths is not None, S1=s1, NA=na, NG=ng,
         DBITS=dbits, MAP_B=map_b, FILL=fill,
         num_warps=_reg_warps(max(na, ng)) if num_warps is None else num_warps,
+        **pdl_args(scores.device),
     )
 
 
@@ -705,6 +718,7 @@ def block_scores(scores: torch.Tensor, visible: torch.Tensor, block_size: int = 
     _block_scores_kernel[(T, triton.cdiv(nb, block_b))](
         scores, scores.stride(0), visible, N, nb, out, out.stride(0),
         CB=block_size, BLOCK_B=block_b, num_warps=4,
+        **pdl_args(scores.device),
     )
     return out
 
