@@ -10,6 +10,10 @@ Rows:
   * a tile sweep (act=bf16) on (5120, 8192) at M = 8192 and M = 1 (``GEMM_SWEEP=0`` skips it).
 ``--decode``: M = 1..64 only, the default (the Gluon kernel on sm90) beside the Triton kernel and Gluon variants
 on the same call, and a plain reader of the same weight bytes (the ceiling).
+``--mid``: M = 128, 256, 512 (large decode batches: above the Gluon kernel's 64 rows, below ``VENDOR_ROWS``):
+the default (the Triton kernel), the Gluon kernel's 64-row tiles forced (each tile decodes the weights
+again; x rewritten in the tile order or gathered), the weight decoded to bf16 and cuBLAS (the prefill
+path; decode included), and a plain reader of the same weight bytes.
 The act="mxfp8" rows include the Triton activation quantiser (one extra launch).
 """
 
@@ -26,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops import quant  # noqa: E402
-from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm, pick_config  # noqa: E402
+from deepinfer_vllm.ops.triton.fp8_gemm import _vendor_gemm, fp8_block_gemm, pick_config  # noqa: E402
 
 SHAPES = [(1792, 5120), (5120, 8192), (4608, 5120)]
 DECODE_M = (1, 64, 256)
@@ -197,6 +201,39 @@ def run_decode(ceilings: Ceilings):
         yield Row(kernel="read weight", shape=f"N={n} K={k}", seconds=t, bytes=nbytes_w)
 
 
+MID_M = (128, 256, 512)
+
+
+def run_mid(ceilings: Ceilings):
+    """M = 128..512 (module docstring). A generator: rows print as measured."""
+    torch.manual_seed(0)
+    for n, k in SHAPES:
+        w, s = weight(n, k)
+        nbytes_w = n * k + n * k // 1024
+        for m in MID_M:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            wu, su = w.view(torch.uint8), s.view(torch.uint8)
+            g64 = dict(BT=64, WG=2, NS=3)
+            variants = [
+                ("default", lambda: fp8_block_gemm(x, w, s, "bf16")),
+                ("gluon BT=64 x tiled", lambda: fp8_block_gemm(x, w, s, config=dict(g64, X_TILED=True))),
+                ("gluon BT=64 x gathered", lambda: fp8_block_gemm(x, w, s, config=dict(g64, X_TILED=False))),
+                ("decoded bf16 + cuBLAS", lambda: _vendor_gemm(x, wu, su, out, 1)),
+            ]
+            for label, fn in variants:
+                cfg = f" ({_cfg_name(pick_config(m, n, k))})" if label == "default" else ""
+                yield Row(
+                    kernel=f"fp8_block_gemm {label}",
+                    shape=f"M={m} N={n} K={k}{cfg}",
+                    seconds=time_s(fn),
+                    bytes=nbytes_w + m * k * 2 + m * n * 2,
+                    flops=2 * m * n * k,
+                )
+        t = time_s(_read_launcher(w, s))
+        yield Row(kernel="read weight", shape=f"N={n} K={k}", seconds=t, bytes=nbytes_w)
+
+
 def run(ceilings: Ceilings) -> list[Row]:
     torch.manual_seed(0)
     rows = _large_rows() + _decode_rows()
@@ -206,4 +243,5 @@ def run(ceilings: Ceilings) -> list[Row]:
 
 
 if __name__ == "__main__":
-    print_module(run_decode if "--decode" in sys.argv[1:] else run)
+    args = sys.argv[1:]
+    print_module(run_decode if "--decode" in args else run_mid if "--mid" in args else run)

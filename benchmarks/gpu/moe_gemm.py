@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm, moe_config
-from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_config
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import X_TILED_ROWS, gluon_config
 
 EXPERTS, LOCAL, TOP_K = 384, 48, 6
 GEMMS = [("w13", 4608, 5120), ("w2", 5120, 2304)]
@@ -53,6 +53,9 @@ SWEEP_PREFILL = [
     dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3),
     dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4),
     dict(BM=128, BN=128, BK=64, num_warps=4, num_stages=4),
+    # the Gluon kernel as chosen at prefill: x rewritten in the tile order (default) or gathered
+    dict(BT=64, NS=3, MAXNREG=168, SPLIT=1, X_TILED=True),
+    dict(BT=64, NS=3, MAXNREG=168, SPLIT=1, X_TILED=False),
 ]
 
 
@@ -171,6 +174,8 @@ def run_decode(ceilings: Ceilings):
                 (f"gluon NS={ns} maxnreg={m}", dict(gluon_config(r, LOCAL, n, k), NS=ns, MAXNREG=m))
                 for ns, m in ((4, 96), (3, None), (6, 96))
             ]
+            if gluon_config(r, LOCAL, n, k)["BT"] >= X_TILED_ROWS:  # x gathered instead of rewritten first
+                variants += [("gluon x gathered", dict(gluon_config(r, LOCAL, n, k), X_TILED=False))]
             for label, cfg in variants:
                 t = time_s(lambda cfg=cfg: grouped_fp4_gemm(x, offs, w, s, "bf16", config=cfg))  # noqa: B023
                 yield Row(

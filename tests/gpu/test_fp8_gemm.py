@@ -161,7 +161,24 @@ GLUON_CONFIGS = [
     dict(BT=64, WG=2, NS=3, SPLIT=2, ASYNC=True),
     dict(BT=16, WG=1, NS=2, SPLIT=1, ASYNC=True),
     dict(BT=32, WG=2, NS=4, SPLIT=2, ASYNC=True),
+    # x's tiles gathered 4 bytes at a time (the default below 32 rows) or copied from x_tile_order's rewrite
+    dict(BT=64, WG=2, NS=3, SPLIT=2, X_TILED=False),
+    dict(BT=32, WG=2, NS=4, SPLIT=2, ASYNC=True, X_TILED=False),
+    dict(BT=8, NS=4, SPLIT=2, X_TILED=True),
+    dict(BT=16, WG=2, NS=3, SPLIT=1, ASYNC=True, X_TILED=True),
 ]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize("m,n,k,groups", [(33, 4608, 5120, 1), (64, 5120, 8192, 1), (64, 2048, 2 * 1024, 2)])
+def test_gluon_fp8_x_tiled_is_bit_identical(device, m, n, k, groups):
+    """``X_TILED`` stages the same values in the same shared-memory places as the gathers: the same bits."""
+    w, s = make_weight(n, k // groups, seed=n + k, device=device)
+    x = make_x(m, k, seed=m, device=device)
+    for base in (dict(BT=64, WG=2, NS=3, SPLIT=2), dict(BT=32, WG=2, NS=4, SPLIT=1, ASYNC=True)):
+        tiled = fp8_block_gemm(x, w, s, "bf16", torch.float32, groups=groups, config={**base, "X_TILED": True})
+        gathered = fp8_block_gemm(x, w, s, "bf16", torch.float32, groups=groups, config={**base, "X_TILED": False})
+        assert torch.equal(tiled.view(torch.int32), gathered.view(torch.int32))
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")

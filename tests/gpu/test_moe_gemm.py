@@ -237,7 +237,28 @@ GLUON_CONFIGS = [
     dict(BT=16, SPLIT=1),
     dict(BT=32, SPLIT=2),
     dict(BT=64, SPLIT=1, NS=6),
+    # x's tiles gathered 4 bytes at a time (the default below 32 rows) or copied from x_tile_order's rewrite
+    dict(BT=64, SPLIT=2, X_TILED=False),
+    dict(BT=32, SPLIT=1, X_TILED=False),
+    dict(BT=16, SPLIT=2, X_TILED=True),
 ]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("e,n,k,r", [(48, 4608, 5120, 300), (48, 5120, 2304, 200)])
+def test_moe_gemm_gluon_x_tiled_is_bit_identical(device, gather, e, n, k, r):
+    """``X_TILED`` (with and without ``rows``) stages the same values in the same places as the gathers."""
+    w, s = make_experts(e, n, k, seed=e + n + k, device=device)
+    x = make_x(r, k, seed=r, device=device)
+    offs = make_offsets(e, r, seed=r + e, device=device, tail=3)
+    rows = torch.randperm(r, device=device) if gather else None
+    for base in (dict(BT=64, SPLIT=1), dict(BT=32, SPLIT=2)):
+        got = [
+            grouped_fp4_gemm(x, offs, w, s, "bf16", torch.float32, rows=rows, config={**base, "X_TILED": t})
+            for t in (True, False)
+        ]
+        assert torch.equal(got[0].view(torch.int32), got[1].view(torch.int32))
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")

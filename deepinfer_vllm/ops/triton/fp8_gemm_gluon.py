@@ -25,7 +25,9 @@ the values of its own A fragment, so no decoded value goes through shared memory
   bf16 number). 5 instructions per two values. The registers already are the A fragment: Gluon checks at compile
   time that the layout conversion is trivial.
 * ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) go through NVMMA-swizzled shared memory; one barrier
-  per tile hands them to the wgmma. Scale words are read one tile ahead into registers.
+  per tile hands them to the wgmma. Scale words are read one tile ahead into registers. From 32 batch rows
+  (``X_TILED``) ``x`` is first rewritten in that order (``moe_gemm_gluon.x_tile_order``, one pass) and its tiles
+  are copied 16 bytes at a time: the same values in the same places, the same bits.
 * Above 16 batch rows two warpgroups (128 weight rows) share each ``x`` tile, which otherwise costs as many
   shared-memory bytes as the weights; up to 32 rows the wgmma is issued asynchronously and the next tile's decode
   runs under it (``ASYNC``; at 64 rows the extra barrier this needs costs more than it hides).
@@ -39,7 +41,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE, X_TILED_ROWS, x_tile_order
 from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_counters, split_k, splitk_reduce
 
@@ -156,6 +158,7 @@ if GLUON_AVAILABLE:
         OUT_BF16: gl.constexpr,
         ASYNC: gl.constexpr,
         FIXUP: gl.constexpr,  # SPLIT > 1: the tile's last program adds the partials (else ``splitk_reduce``)
+        X_TILED: gl.constexpr,  # x is ``x_tile_order``'s rewrite: its tiles are copied 16 bytes at a time
         PDL: gl.constexpr,
     ):
         gluon_grid_wait(PDL)
@@ -167,7 +170,10 @@ if GLUON_AVAILABLE:
             version=[3, 0], warps_per_cta=[4 * WG, 1], instr_shape=[16, BT, 16]
         )
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-        XL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16] if BT >= 16 else [1, 32], [4 * WG, 1], [1, 0])
+        if X_TILED:  # four consecutive pairs a thread: 16-byte copies
+            XL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4 * WG, 1], [1, 0])
+        else:
+            XL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16] if BT >= 16 else [1, 32], [4 * WG, 1], [1, 0])
         # 16-byte chunks XOR-swizzled by row: a warp's 128-bit reads of eight rows hit distinct banks.
         WS: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -186,8 +192,11 @@ if GLUON_AVAILABLE:
         w_c = gl.arange(0, 32, layout=gl.SliceLayout(0, WL))
         x_r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
         x_c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
-        # logical pair P = 8s + 4h + q sits at physical pair 16q + 2s + h of the tile
-        x_phys = 16 * (x_c % 4) + 2 * (x_c // 8) + (x_c // 4) % 2
+        # logical pair P = 8s + 4h + q sits at physical pair 16q + 2s + h of the tile (X_TILED: already there)
+        if X_TILED:
+            x_phys = x_c
+        else:
+            x_phys = 16 * (x_c % 4) + 2 * (x_c // 8) + (x_c // 4) % 2
         shift = 8 * (w_c // 8)  # lane q's scale byte in the block row's tile word
         a_r = gl.arange(0, BW, layout=gl.SliceLayout(1, ACC))
         a_c = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
@@ -314,7 +323,8 @@ def gluon_fp8_block_gemm(
     _, split, k_per_split = split_k({"BK": BK, "SPLIT": cfg.get("SPLIT", 1)}, k)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     fixup = split > 1 and cfg.get("FIXUP", bt <= 16)
-    xi = x.view(torch.int32)
+    x_tiled = cfg.get("X_TILED", bt >= X_TILED_ROWS)
+    xi = x_tile_order(x) if x_tiled else x.view(torch.int32)
     wi = w.view(torch.int32)
     si = s.view(torch.int32)
     grid = (n // (64 * wg), triton.cdiv(m, bt), split)
@@ -342,6 +352,7 @@ def gluon_fp8_block_gemm(
         OUT_BF16=out.dtype == torch.bfloat16,
         ASYNC=cfg.get("ASYNC", False),
         FIXUP=fixup,
+        X_TILED=x_tiled,
         num_warps=4 * wg,
         maxnreg=cfg.get("MAXNREG"),
         **pdl_args(xi.device),

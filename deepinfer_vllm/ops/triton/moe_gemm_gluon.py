@@ -25,6 +25,10 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
   The registers are already the A fragment: the layout conversion is checked trivial at compile time.
 * ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) and the CTA's scale words (once, at
   the start) go through shared memory; one barrier per tile hands the ``x`` tile to the wgmma.
+  From 32 token rows a tile (``X_TILED``), ``x`` is first rewritten once in that order
+  (``x_tile_order``: one pass, 16-byte loads and stores, the permutation in registers) and its tiles
+  are copied 16 bytes at a time: the same values in the same shared-memory places, so the same bits.
+  (With few rows the gathers are few and the extra launch costs more than they do.)
 
 Only for K a multiple of 128, N a multiple of 64. sm90 only. Row tiles of up to 64 token rows (the
 wgmma's N); prefill walks several per expert, each decoding the expert's weights again (at 8192
@@ -35,8 +39,9 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
-from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
+from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
 
 try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
@@ -47,7 +52,8 @@ try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["E2M1_PAIR_PTX", "GLUON_AVAILABLE", "gluon_grouped_fp4_gemm", "gluon_moe_supported"]
+__all__ = ["E2M1_PAIR_PTX", "GLUON_AVAILABLE", "X_TILED_ROWS", "gluon_grouped_fp4_gemm", "gluon_moe_supported",
+           "x_tile_order"]
 
 GLUON_AVAILABLE = gluon is not None
 
@@ -73,6 +79,41 @@ E2M1_PAIR_PTX = "{\n.reg .b32 v, u, t;\nshr.b32 v, $8, 4;\n" + "".join(_pair_ptx
 BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
 BK = 128  # K per tile: 16 packed bytes = one scale block per lane and row
 _PROGRAMS_PER_SM = 16
+X_TILED_ROWS = 32  # from this token tile on, x is rewritten in the tile order first (module docstring)
+_ORDER_TILES = 8  # 128-column tiles per program of x_tile_order
+
+
+@triton.jit
+def _x_tile_order_kernel(x_ptr, out_ptr, C, stride_x, stride_o, TILES: tl.constexpr, PDL: tl.constexpr):
+    """Row ``pid0``, tiles ``pid1 * TILES ...`` of 64 column pairs: ``out[P] = x[16q + 2s + h]`` for
+    ``P = 8s + 4h + q`` in every tile (int32 pairs)."""
+    grid_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * TILES + tl.arange(0, TILES)
+    c = tl.arange(0, 64)
+    cols = t[:, None] * 64 + c[None, :]
+    mask = cols < C
+    v = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0)
+    v = tl.reshape(v, [TILES, 4, 8, 2])  # [tile, q, s, h]: physical pair 16q + 2s + h
+    v = tl.reshape(tl.permute(v, (0, 2, 3, 1)), [TILES, 64])  # [tile, s, h, q]: logical pair 8s + 4h + q
+    tl.store(out_ptr + row * stride_o + cols, v, mask=mask)
+
+
+def x_tile_order(x: torch.Tensor) -> torch.Tensor:
+    """bf16 ``x [M, C]`` (``C`` a multiple of 128, unit column stride) -> int32 ``[M, C / 2]`` column pairs with
+    each 128-column tile's pairs in the Gluon kernels' staging order: pair ``P = 8s + 4h + q`` of a tile is
+    ``x``'s pair ``16q + 2s + h`` (module docstring)."""
+    m, c = x.shape
+    if c % BK or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+        raise ValueError(f"x_tile_order takes bf16 [M, C] rows with C a multiple of {BK}, got {x.dtype} {x.shape}")
+    xi = x.view(torch.int32)
+    out = torch.empty(m, c // 2, dtype=torch.int32, device=x.device)
+    if m:
+        grid = (m, triton.cdiv(c // BK, _ORDER_TILES))
+        _x_tile_order_kernel[grid](
+            xi, out, c // 2, xi.stride(0), out.stride(0), TILES=_ORDER_TILES, num_warps=4, **pdl_args(x.device)
+        )
+    return out
 
 
 def gluon_moe_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -147,6 +188,7 @@ if GLUON_AVAILABLE:
         OUT_BF16: gl.constexpr,
         GATHER: gl.constexpr,
         ZERO_REST: gl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
+        X_TILED: gl.constexpr,  # x is ``x_tile_order``'s rewrite: its tiles are copied 16 bytes at a time
         PDL: gl.constexpr,
     ):
         gluon_grid_wait(PDL)
@@ -168,8 +210,11 @@ if GLUON_AVAILABLE:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16]
         )
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-        # x pairs [BT, 64]: every element copied by one thread
-        XL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16] if BT >= 16 else [1, 32], [4, 1], [1, 0])
+        # x pairs [BT, 64]: every element copied by one thread (X_TILED: four consecutive pairs, 16 bytes)
+        if X_TILED:
+            XL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        else:
+            XL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16] if BT >= 16 else [1, 32], [4, 1], [1, 0])
         EL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -201,8 +246,11 @@ if GLUON_AVAILABLE:
         w_c = gl.arange(0, 16, layout=gl.SliceLayout(0, WL))
         x_r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
         x_c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
-        # logical pair P = 8s + 4j + q sits at physical pair 16q + 2s + j of the tile
-        x_phys = 16 * (x_c % 4) + 2 * (x_c // 8) + (x_c // 4) % 2
+        # logical pair P = 8s + 4j + q sits at physical pair 16q + 2s + j of the tile (X_TILED: already there)
+        if X_TILED:
+            x_phys = x_c
+        else:
+            x_phys = 16 * (x_c % 4) + 2 * (x_c // 8) + (x_c // 4) % 2
         shift = 8 * (w_c // 4)  # lane q's scale byte in the row's tile word
         a_r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
         a_c = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
@@ -329,7 +377,8 @@ def gluon_grouped_fp4_gemm(
     n_tiles = n // BM
     row_tiles = min(r, triton.cdiv(r, bt) + e_count + 1)
     grid_m = cfg.get("GRID_M") or max(1, min(row_tiles, _PROGRAMS_PER_SM * sms // (n_tiles * split)))
-    xi = x.view(torch.int32)
+    x_tiled = cfg.get("X_TILED", bt >= X_TILED_ROWS)
+    xi = x_tile_order(x) if x_tiled else x.view(torch.int32)
     wi = w.view(torch.int32)
     si = s.view(torch.int32)
     _moe_gemm_gluon_kernel[(n_tiles, grid_m, split)](
@@ -358,6 +407,7 @@ def gluon_grouped_fp4_gemm(
         OUT_BF16=out.dtype == torch.bfloat16,
         GATHER=rows is not None,
         ZERO_REST=zero_rest,
+        X_TILED=x_tiled,
         num_warps=4,
         maxnreg=cfg.get("MAXNREG"),
         **pdl_args(xi.device),
