@@ -116,7 +116,10 @@ class Compiler:
                 msg = str(e).strip().splitlines()
                 compiler.failures.setdefault(f"{name}: {type(e).__name__}: {msg[-1] if msg else ''}", name)
                 raise
-            compiler.inspect(name, kernel, kwargs)
+            try:
+                compiler.inspect(name, kernel, kwargs)
+            except Exception as e:  # a broken check must not pass for a clean compile
+                compiler.failures.setdefault(f"{name}: inspecting: {type(e).__name__}: {e}", name)
             return kernel
 
         JITFunction.run = compile_only
@@ -132,7 +135,26 @@ class Compiler:
             if problem:
                 self.failures.setdefault(f"{name}: PDL: {problem}", name)
         if self.ptxas_v:
-            self.regs.setdefault(name, set()).add((kernel.n_regs, kernel.n_spills))
+            self.regs.setdefault(name, set()).add(_ptxas_registers(kernel))
+
+
+def _ptxas_registers(kernel) -> tuple[int, int]:
+    """(registers, spill store bytes) of the kernel's PTX by the bundled ``ptxas -v`` (the compiled kernel's
+    ``n_regs`` is only known once a driver loads it)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        arch = "sm_90a"
+        run = subprocess.run([get_ptxas(90).path, "-v", f"-arch={arch}", f.name, "-o", os.devnull],
+                             capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", run.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", run.stderr)
+    return (int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1)
 
 
 def main() -> int:
