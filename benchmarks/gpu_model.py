@@ -535,7 +535,7 @@ def main() -> None:
     parser.add_argument(
         "--pdl-baseline",
         action="store_true",
-        help="also capture and time each graphed case with programmatic dependent launch off (ops/triton/pdl.py)",
+        help="also time each graphed case with programmatic dependent launch off (ops/triton/pdl.py)",
     )
     args = parser.parse_args()
     if args.engram:

@@ -12,8 +12,8 @@ Rows:
 on the same call, and a plain reader of the same weight bytes (the ceiling).
 ``--mid``: M = 128, 256, 512 (large decode batches: above the Gluon kernel's 64 rows, below ``VENDOR_ROWS``):
 the default (the Triton kernel), the Gluon kernel's 64-row tiles forced (each tile decodes the weights
-again; x rewritten in the tile order or gathered), the weight decoded to bf16 and cuBLAS (the prefill
-path; decode included), and a plain reader of the same weight bytes.
+again; x rewritten in the tile order or gathered) and its 128-row tiles, the weight decoded to bf16 and
+cuBLAS (the prefill path; decode included), and a plain reader of the same weight bytes.
 The act="mxfp8" rows include the Triton activation quantiser (one extra launch).
 """
 
@@ -219,6 +219,7 @@ def run_mid(ceilings: Ceilings):
                 ("default", lambda: fp8_block_gemm(x, w, s, "bf16")),
                 ("gluon BT=64 x tiled", lambda: fp8_block_gemm(x, w, s, config=dict(g64, X_TILED=True))),
                 ("gluon BT=64 x gathered", lambda: fp8_block_gemm(x, w, s, config=dict(g64, X_TILED=False))),
+                ("gluon BT=128", lambda: fp8_block_gemm(x, w, s, config=dict(BT=128, WG=2, NS=2))),
                 ("decoded bf16 + cuBLAS", lambda: _vendor_gemm(x, wu, su, out, 1)),
             ]
             for label, fn in variants:

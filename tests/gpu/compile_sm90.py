@@ -1,20 +1,21 @@
 """Compile every kernel launch of ``tests/gpu`` for the H200 (sm90) on a machine without a GPU.
 
-Triton compiles to PTX and a cubin without a device (its wheel ships ``ptxas``); what it needs from a device is the
-target and each launch's arguments, which decide the specialisation (each pointer's 16-byte alignment, integers
-equal to 1 or divisible by 16, the constexprs). This runs the device tests themselves, at the device's shapes
-(``shapes()`` gives the large ones too), on CPU tensors, with a driver that reports one sm90 device and a
-``JITFunction.run`` that compiles each launch instead of running it, so every Triton and Gluon kernel a test
-reaches is compiled exactly as the H200 would compile it. The tests' own outcomes mean nothing here (no kernel
-ran; their results are uninitialised memory) and are not reported; a test stops at its first failed assertion,
-so launches after it in the same test are not reached. Run it with the device's Triton first on the path:
+Triton compiles to PTX and a cubin without a device (its wheel ships ``ptxas``); what it needs from a device
+is the target and each launch's arguments, which decide the specialisation (each pointer's 16-byte alignment,
+integers equal to 1 or divisible by 16, the constexprs). This runs the device tests themselves, at the
+device's shapes (``shapes()`` gives the large ones too), on CPU tensors, with a driver that reports one sm90
+device and a ``JITFunction.run`` that compiles each launch instead of running it, so every Triton and Gluon
+kernel a test reaches is compiled exactly as the H200 would compile it. The tests' own outcomes mean nothing
+here (no kernel ran; their results are uninitialised memory) and are not reported; a test stops at its first
+failed assertion, so launches after it in the same test are not reached. Run it with the device's Triton first
+on the path:
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0      # the H200's Triton
-    PYTHONPATH=/tmp/t36:$PWD python tests/gpu/compile_sm90.py [--ptxas-v] [pytest arguments, default tests/gpu]
+    PYTHONPATH=/tmp/t36:$PWD python tests/gpu/compile_sm90.py [--ptxas-v] [pytest arguments: tests/gpu]
 
-For a kernel compiled with ``PDL`` it checks that the PTX waits for the grid dependency (``griddepcontrol.wait``)
-before its first global memory access. It prints each failure and the counts; exit status 1 if anything failed.
-``--ptxas-v`` lists registers and spills per kernel.
+For a kernel compiled with ``PDL`` it checks that the PTX waits for the grid dependency
+(``griddepcontrol.wait``) before its first global memory access. It prints each failure and the counts; exit
+status 1 if anything failed. ``--ptxas-v`` lists registers and spills per kernel.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 os.environ["DEEPINFER_COMPILE_SM90"] = "1"
 os.environ.pop("TRITON_INTERPRET", None)
 
-# A load, store, atomic, reduction, asynchronous copy or prefetch of global memory (any qualifiers), by any thread.
-_GLOBAL_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?((ld|st|atom|red|prefetch)\.[\w:.]*global|cp\.async|cp\.reduce)", re.M)
+# A load, store, atomic, reduction, asynchronous copy or prefetch of global memory (any qualifiers).
+_GLOBAL_ACCESS = re.compile(
+    r"^\s*(@!?%p\d+\s+)?((ld|st|atom|red|prefetch)\.[\w:.]*global|cp\.async|cp\.reduce)", re.M
+)
 
 
 def _check_pdl_ptx(ptx: str) -> str | None:

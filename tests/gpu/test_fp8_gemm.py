@@ -170,14 +170,36 @@ GLUON_CONFIGS = [
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(BT=128, WG=2, NS=2, SPLIT=1),
+        dict(BT=128, WG=1, NS=3, SPLIT=2, ASYNC=True),
+        dict(BT=64, WG=2, NS=3, SPLIT=2),
+    ],
+)
+@pytest.mark.parametrize("m,n,k", [(200, 4608, 5120), (256, 1792, 5120)])
+def test_gluon_fp8_gemm_large_batches(device, cfg, m, n, k):
+    """Decode of 128-512 rows (``benchmarks/gpu/fp8_gemm.py --mid``; not chosen by default): 128-row batch
+    tiles and several 64-row tiles, rows past M masked."""
+    w, s = make_weight(n, k, seed=n + k, device=device)
+    x = make_x(m, k, seed=m, device=device)
+    got = fp8_block_gemm(x, w, s, "bf16", torch.bfloat16, config=cfg)
+    ref = quant_gemm.fp8_block_gemm(x, w, s, "bf16", torch.float32)
+    check(got, ref, quant_gemm.activations(x, "bf16"), quant.dequant_fp8_block(w, s))
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
 @pytest.mark.parametrize("m,n,k,groups", [(33, 4608, 5120, 1), (64, 5120, 8192, 1), (64, 2048, 2 * 1024, 2)])
 def test_gluon_fp8_x_tiled_is_bit_identical(device, m, n, k, groups):
     """``X_TILED`` stages the same values in the same shared-memory places as the gathers: the same bits."""
     w, s = make_weight(n, k // groups, seed=n + k, device=device)
     x = make_x(m, k, seed=m, device=device)
     for base in (dict(BT=64, WG=2, NS=3, SPLIT=2), dict(BT=32, WG=2, NS=4, SPLIT=1, ASYNC=True)):
-        tiled = fp8_block_gemm(x, w, s, "bf16", torch.float32, groups=groups, config={**base, "X_TILED": True})
-        gathered = fp8_block_gemm(x, w, s, "bf16", torch.float32, groups=groups, config={**base, "X_TILED": False})
+        tiled, gathered = (
+            fp8_block_gemm(x, w, s, "bf16", torch.float32, groups=groups, config={**base, "X_TILED": t})
+            for t in (True, False)
+        )
         assert torch.equal(tiled.view(torch.int32), gathered.view(torch.int32))
 
 

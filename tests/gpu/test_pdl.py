@@ -1,10 +1,10 @@
 """Programmatic dependent launch on the device (``ops/triton/pdl.py``).
 
-A producer kernel lets its dependents launch at once, then spins for about half a millisecond and only then writes
-its output. A control kernel launched with PDL but without the wait starts under the spin and reads the old
-values: that shows PDL really overlaps the launches here (otherwise the test could not fail). The package's own
-kernels, launched through ``pdl_args``, must read the new values, also two launches deep and replayed from a CUDA
-graph.
+A producer kernel lets its dependents launch at once, then spins for about half a millisecond and only then
+writes its output. A control kernel launched with PDL but without the wait starts under the spin and reads the
+old values: that shows PDL really overlaps the launches here (otherwise the test could not fail). The
+package's own kernels, launched through ``pdl_args``, must read the new values, also two launches deep and
+replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ SPIN_NS = 500_000
 
 @triton.jit
 def _now():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 @triton.jit

@@ -141,7 +141,7 @@ def test_stored_gemm_exact_sums_are_exact(device, k):
         for cfg in (None, CONFIGS[5]):
             got = stored_gemm(x[rows : rows + 2], w, torch.float32, config=cfg)
             assert torch.equal(got.view(torch.int32), want[rows : rows + 2].view(torch.int32))
-    if not INTERPRET:  # prefill rows: cuBLAS, each part's sum exact too (multiples of the row's 2^e, < 2^24 of them)
+    if not INTERPRET:  # prefill rows on cuBLAS: each part's sums are exact too (multiples of 2^e below 2^24)
         reps = -(-VENDOR_ROWS // m)
         got = stored_gemm(x.repeat(reps, 1), w, torch.float32)
         assert got.shape[0] >= VENDOR_ROWS

@@ -143,8 +143,8 @@ def test_route_with_the_gemm_and_no_bias(R):
     torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=0)
 
 
-# (684, 6) and (1371, 6): 4104 and 8226 pairs, above MAX_PAIRS (super-block counts first; 8226 is 9 super-blocks,
-# the last one partial, and 129 placing programs, the last one partial too)
+# (684, 6) and (1371, 6): 4104 and 8226 pairs, above MAX_PAIRS (super-block counts first; 8226 is 9
+# super-blocks, the last one partial, and 129 placing programs, the last one partial too)
 @pytest.mark.parametrize("T,k", [(1, 6), (7, 6), (64, 6), (5, 3), (400, 5), (682, 6), (684, 6), (1371, 6)])
 @pytest.mark.parametrize("experts", [range(0, 12), range(3, 9)], ids=["all", "slice"])
 def test_expert_groups_bit_exact(R, T, k, experts):

@@ -26,8 +26,8 @@ the values of its own A fragment, so no decoded value goes through shared memory
   time that the layout conversion is trivial.
 * ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) go through NVMMA-swizzled shared memory; one barrier
   per tile hands them to the wgmma. Scale words are read one tile ahead into registers. From 32 batch rows
-  (``X_TILED``) ``x`` is first rewritten in that order (``moe_gemm_gluon.x_tile_order``, one pass) and its tiles
-  are copied 16 bytes at a time: the same values in the same places, the same bits.
+  (``X_TILED``) ``x`` is first rewritten in that order (``moe_gemm_gluon.x_tile_order``, one pass) and its
+  tiles are copied 16 bytes at a time: the same values in the same places, the same bits.
 * Above 16 batch rows two warpgroups (128 weight rows) share each ``x`` tile, which otherwise costs as many
   shared-memory bytes as the weights; up to 32 rows the wgmma is issued asynchronously and the next tile's decode
   runs under it (``ASYNC``; at 64 rows the extra barrier this needs costs more than it hides).

@@ -52,8 +52,14 @@ try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["E2M1_PAIR_PTX", "GLUON_AVAILABLE", "X_TILED_ROWS", "gluon_grouped_fp4_gemm", "gluon_moe_supported",
-           "x_tile_order"]
+__all__ = [
+    "E2M1_PAIR_PTX",
+    "GLUON_AVAILABLE",
+    "X_TILED_ROWS",
+    "gluon_grouped_fp4_gemm",
+    "gluon_moe_supported",
+    "x_tile_order",
+]
 
 GLUON_AVAILABLE = gluon is not None
 
@@ -100,18 +106,21 @@ def _x_tile_order_kernel(x_ptr, out_ptr, C, stride_x, stride_o, TILES: tl.conste
 
 
 def x_tile_order(x: torch.Tensor) -> torch.Tensor:
-    """bf16 ``x [M, C]`` (``C`` a multiple of 128, unit column stride) -> int32 ``[M, C / 2]`` column pairs with
-    each 128-column tile's pairs in the Gluon kernels' staging order: pair ``P = 8s + 4h + q`` of a tile is
-    ``x``'s pair ``16q + 2s + h`` (module docstring)."""
+    """bf16 ``x [M, C]`` (``C`` a multiple of 128, unit column stride) -> int32 ``[M, C / 2]`` column pairs
+    with each 128-column tile's pairs in the Gluon kernels' staging order: pair ``P = 8s + 4h + q`` of a tile
+    is ``x``'s pair ``16q + 2s + h`` (module docstring)."""
     m, c = x.shape
     if c % BK or x.stride(1) != 1 or x.dtype != torch.bfloat16:
-        raise ValueError(f"x_tile_order takes bf16 [M, C] rows with C a multiple of {BK}, got {x.dtype} {x.shape}")
+        raise ValueError(
+            f"x_tile_order takes bf16 [M, C] rows with C a multiple of {BK}, got {x.dtype} {tuple(x.shape)}"
+        )
     xi = x.view(torch.int32)
     out = torch.empty(m, c // 2, dtype=torch.int32, device=x.device)
     if m:
         grid = (m, triton.cdiv(c // BK, _ORDER_TILES))
         _x_tile_order_kernel[grid](
-            xi, out, c // 2, xi.stride(0), out.stride(0), TILES=_ORDER_TILES, num_warps=4, **pdl_args(x.device)
+            xi, out, c // 2, xi.stride(0), out.stride(0), TILES=_ORDER_TILES, num_warps=4,
+            **pdl_args(x.device),
         )
     return out
 

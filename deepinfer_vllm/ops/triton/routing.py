@@ -245,7 +245,9 @@ def _pair_keys(ids_ptr, p, live, start, n, TRASH: tl.constexpr):
 
 
 @triton.jit
-def _super_counts_kernel(ids_ptr, counts_ptr, P, start, n, NB: tl.constexpr, SUPER: tl.constexpr, PDL: tl.constexpr):
+def _super_counts_kernel(
+    ids_ptr, counts_ptr, P, start, n, NB: tl.constexpr, SUPER: tl.constexpr, PDL: tl.constexpr
+):
     """Pairs per key in super-block ``pid`` (pairs ``pid * SUPER ...``): row ``pid`` of ``counts [*, NB]``."""
     grid_wait(PDL)
     p = tl.program_id(0) * SUPER + tl.arange(0, SUPER)
@@ -290,7 +292,8 @@ def _groups_kernel(
         cols = tl.arange(0, NB)
         for r0 in range(0, tl.cdiv(P, SUPER), 16):
             r = r0 + tl.arange(0, 16)
-            tile = tl.load(counts_ptr + r[:, None] * NB + cols[None, :], mask=(r * SUPER < P)[:, None], other=0)
+            rows = (r * SUPER < P)[:, None]
+            tile = tl.load(counts_ptr + r[:, None] * NB + cols[None, :], mask=rows, other=0)
             counts += tl.sum(tile, 0)
             earlier += tl.sum(tl.where((r < sb)[:, None], tile, 0), 0)
         q = sb * SUPER + tl.arange(0, SUPER)
@@ -320,8 +323,9 @@ def _groups_kernel(
 
 def expert_groups(ids: torch.Tensor, experts: range, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``ops.moe.expert_groups(ids, experts)`` and what goes with it: ``(order, offsets, rows, weights,
-    position)`` as ``ops.moe.Groups`` describes them (``position`` int32). One launch up to ``MAX_PAIRS``
-    pairs, two above (per-super-block counts first); any ``T`` (shapes only decide: no host synchronisation)."""
+    position)`` as ``ops.moe.Groups`` describes them (``position`` int32). One launch up to
+    ``MAX_PAIRS`` pairs, two above (per-super-block counts first); any ``T`` (shapes alone decide: no
+    host synchronisation)."""
     T, k = ids.shape
     P = T * k
     n = len(experts)
@@ -345,7 +349,8 @@ def expert_groups(ids: torch.Tensor, experts: range, weights: torch.Tensor) -> t
         )
     _groups_kernel[(triton.cdiv(P, _CHUNK),)](
         ids, weights.contiguous(), order, offsets, rows, pw, pos, counts, P, experts.start, n,
-        K=k, NB=nb, PB=1 if counted else triton.next_power_of_2(P), CHUNK=_CHUNK, SUPER=_SUPER, COUNTED=counted,
+        K=k, NB=nb, PB=1 if counted else triton.next_power_of_2(P), CHUNK=_CHUNK, SUPER=_SUPER,
+        COUNTED=counted,
         num_warps=_GROUP_WARPS,
         **pdl_args(dev),
     )

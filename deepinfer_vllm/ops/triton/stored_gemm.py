@@ -38,13 +38,14 @@ SM, the lanes summed by a fixed tree. Measured on the H200 (benchmarks/README.md
 step, third session"): 7.8 against 10.6 us for the fp32 ``[512, 5120]`` at one row, where a
 plain reader of the same 10.5 MB takes 5.3 us; from three rows the tensor cores are as fast.
 
-Prefill-sized calls (at least ``fp8_gemm.VENDOR_ROWS`` rows, on CUDA) run on cuBLAS instead, as the dense FP8
-GEMM's do: bf16 operands with fp32 output (``out_dtype``) and fp32 accumulation (reduced-precision reductions
-off), a bf16 weight in one product, an fp32 weight as its three exact bf16 parts (the split above, one pass over
-the weight per call), ``lo`` first, each next part's product added to the previous ones in the GEMM's epilogue
-(``addmm``): the same exact products, summed in cuBLAS's order within each part and then part by part, so the
-bound above holds; the result is rounded once to ``out_dtype``. (The Triton kernel reached about 420 TFLOP/s of
-bf16 work at 8192 rows, counting the three parts; cuBLAS reaches the bf16 rate's ~650-790 on the same shapes.)
+Prefill-sized calls (at least ``fp8_gemm.VENDOR_ROWS`` rows, on CUDA) run on cuBLAS instead, as the dense
+FP8 GEMM's do: bf16 operands with fp32 output (``out_dtype``) and fp32 accumulation (reduced-precision
+reductions off), a bf16 weight in one product, an fp32 weight as its three exact bf16 parts (the split above,
+one pass over the weight per call), ``lo`` first, each next part's product added to the previous ones in the
+GEMM's epilogue (``addmm``): the same exact products, summed in cuBLAS's order within each part and then part
+by part, so the bound above holds; the result is rounded once to ``out_dtype``. (The Triton kernel reached
+about 420 TFLOP/s of bf16 work at 8192 rows, counting the three parts; cuBLAS reaches ~650-790 on the dense
+FP8 GEMM's decoded weights.)
 """
 
 from __future__ import annotations
@@ -56,7 +57,13 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_vllm.ops.triton.fp8_gemm import VENDOR_ROWS, fp32_reductions, gemm_output, pick_config, store_tile
+from deepinfer_vllm.ops.triton.fp8_gemm import (
+    VENDOR_ROWS,
+    fp32_reductions,
+    gemm_output,
+    pick_config,
+    store_tile,
+)
 from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import (
     FIXUP_ROWS,
@@ -294,8 +301,8 @@ def stored_config(m: int, n: int, k: int, w_fp32: bool, sms: int = 132) -> dict:
 
 
 def _vendor_stored(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x @ W.T`` on cuBLAS (module docstring): one product for a bf16 weight, three added in the epilogue,
-    smallest part first, for an fp32 one."""
+    """fp32 ``x @ W.T`` on cuBLAS (module docstring): one product for a bf16 weight, three added in the
+    epilogue, smallest part first, for an fp32 one."""
     with fp32_reductions():
         if weight.dtype == torch.bfloat16:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
