@@ -86,19 +86,18 @@ def test_kernels_wait_for_a_late_predecessor(graphed):
         _steps(part, out, shared, final, value)
         _control(x, y, value)
 
+    run(1.0)  # compile every kernel first: a compile between two launches would hide the overlap
+    torch.cuda.synchronize()
+    part.zero_(), x.zero_(), y.fill_(-1.0)
+    value = 3.0
     if graphed:
-        run(1.0)  # compile outside the capture
-        torch.cuda.synchronize()
-        part.zero_(), x.zero_(), y.fill_(-1.0)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            run(3.0)
+            run(value)
         part.zero_(), x.zero_(), y.fill_(-1.0)
         torch.cuda.synchronize()
         g.replay()
-        value = 3.0
     else:
-        value = 3.0
         run(value)
     torch.cuda.synchronize()
     # The control started under the producer's spin: PDL overlapped the launches.
