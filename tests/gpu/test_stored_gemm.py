@@ -21,8 +21,7 @@ import pytest
 import torch
 from conftest import INTERPRET, poison_, shapes
 
-from deepinfer_vllm.ops.triton.fp8_gemm import VENDOR_ROWS
-from deepinfer_vllm.ops.triton.stored_gemm import stored_gemm
+from deepinfer_vllm.ops.triton.stored_gemm import VENDOR_ROWS, stored_gemm
 
 RELEASE = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16)]
 CONFIGS = [

@@ -16,7 +16,7 @@ added in a fixed order (deterministic): by each tile's last program up to ``FIXU
 bf16 is done on the bits (round to nearest even), identical on GPU and interpreter.
 No host synchronisation: capturable in a CUDA graph.
 
-Prefill-sized calls (at least ``VENDOR_ROWS`` rows, bf16 out; one product per group) decode the weight
+Calls of at least ``VENDOR_ROWS`` rows (``VENDOR_ROWS_GROUPED`` when grouped; bf16 out) decode the weight
 to a bf16 copy once (``fp8_block_decode``: exact, the same values the kernel decodes per tile) and
 multiply it on cuBLAS with fp32 accumulation (reduced-precision reductions switched off for the call):
 the same exact products summed in cuBLAS's order. Measured on the H200 at M = 2048-8192 on Flash's
@@ -54,7 +54,11 @@ __all__ = [
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_MODES = ("bf16", "mxfp8")
-VENDOR_ROWS = 1024  # from this many rows: the weight decoded to bf16 once, the product on cuBLAS (docstring)
+# From this many rows the weight is decoded to bf16 once and the product runs on cuBLAS (docstring): at 256 rows
+# cuBLAS beat the Triton kernel on every Flash shape, at 128 it lost (H200, `fp8_gemm.py --mid`,
+# benchmarks/README.md); block-diagonal (grouped) calls keep the Triton kernel up to 1024 rows (G products).
+VENDOR_ROWS = 256
+VENDOR_ROWS_GROUPED = 1024
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -316,7 +320,8 @@ def fp8_block_gemm(
         return out
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
-    if config is None and m >= VENDOR_ROWS and out_dtype == torch.bfloat16 and x.is_cuda:
+    vendor_rows = VENDOR_ROWS if groups == 1 else VENDOR_ROWS_GROUPED
+    if config is None and m >= vendor_rows and out_dtype == torch.bfloat16 and x.is_cuda:
         return _vendor_gemm(xv, w, s, out, groups)
     if config is not None and "BT" in config or (
         config is None and out_dtype in (torch.float32, torch.bfloat16) and gluon_fp8_supported(xv, w, s, groups)

@@ -74,10 +74,11 @@ def _pow2_f16_bits(r):
 @triton.jit
 def _round_bf16(x):
     """fp32 -> nearest bf16 (ties to even), kept in fp32; integer arithmetic, so it is exact
-    everywhere (Triton's interpreter truncates in ``.to(tl.bfloat16)``)."""
+    everywhere (Triton's interpreter truncates in ``.to(tl.bfloat16)``). NaN stays NaN: the GPU's
+    NaN is 0x7FFFFFFF, whose rounding increment would carry into the sign bit (-0.0)."""
     b = x.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, b.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -86,23 +86,25 @@ BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
 BK = 128  # K per tile: 16 packed bytes = one scale block per lane and row
 _PROGRAMS_PER_SM = 16
 X_TILED_ROWS = 32  # from this token tile on, x is rewritten in the tile order first (module docstring)
-_ORDER_TILES = 8  # 128-column tiles per program of x_tile_order
+_ORDER_ITEMS = 32  # (row, 128-column tile) items per program of x_tile_order: 8 KB in, 8 KB out
 
 
 @triton.jit
-def _x_tile_order_kernel(x_ptr, out_ptr, C, stride_x, stride_o, TILES: tl.constexpr, PDL: tl.constexpr):
-    """Row ``pid0``, tiles ``pid1 * TILES ...`` of 64 column pairs: ``out[P] = x[16q + 2s + h]`` for
-    ``P = 8s + 4h + q`` in every tile (int32 pairs)."""
+def _x_tile_order_kernel(
+    x_ptr, out_ptr, M, n_tiles, stride_x, stride_o, ITEMS: tl.constexpr, PDL: tl.constexpr
+):
+    """Items ``pid * ITEMS ...`` of the ``M * n_tiles`` (row, tile) items, row-major (consecutive items of a
+    contiguous ``x`` are consecutive bytes): ``out[P] = x[16q + 2s + h]`` for ``P = 8s + 4h + q`` in each
+    tile of 64 int32 pairs."""
     grid_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * TILES + tl.arange(0, TILES)
-    c = tl.arange(0, 64)
-    cols = t[:, None] * 64 + c[None, :]
-    mask = cols < C
-    v = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0)
-    v = tl.reshape(v, [TILES, 4, 8, 2])  # [tile, q, s, h]: physical pair 16q + 2s + h
-    v = tl.reshape(tl.permute(v, (0, 2, 3, 1)), [TILES, 64])  # [tile, s, h, q]: logical pair 8s + 4h + q
-    tl.store(out_ptr + row * stride_o + cols, v, mask=mask)
+    item = tl.program_id(0).to(tl.int64) * ITEMS + tl.arange(0, ITEMS)
+    row = item // n_tiles
+    col = (item % n_tiles)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    mask = (row < M)[:, None]
+    v = tl.load(x_ptr + row[:, None] * stride_x + col, mask=mask, other=0)
+    v = tl.reshape(v, [ITEMS, 4, 8, 2])  # [item, q, s, h]: physical pair 16q + 2s + h
+    v = tl.reshape(tl.permute(v, (0, 2, 3, 1)), [ITEMS, 64])  # [item, s, h, q]: logical pair 8s + 4h + q
+    tl.store(out_ptr + row[:, None] * stride_o + col, v, mask=mask)
 
 
 def x_tile_order(x: torch.Tensor) -> torch.Tensor:
@@ -117,9 +119,9 @@ def x_tile_order(x: torch.Tensor) -> torch.Tensor:
     xi = x.view(torch.int32)
     out = torch.empty(m, c // 2, dtype=torch.int32, device=x.device)
     if m:
-        grid = (m, triton.cdiv(c // BK, _ORDER_TILES))
-        _x_tile_order_kernel[grid](
-            xi, out, c // 2, xi.stride(0), out.stride(0), TILES=_ORDER_TILES, num_warps=4,
+        n_tiles = c // BK
+        _x_tile_order_kernel[(triton.cdiv(m * n_tiles, _ORDER_ITEMS),)](
+            xi, out, m, n_tiles, xi.stride(0), out.stride(0), ITEMS=_ORDER_ITEMS, num_warps=4,
             **pdl_args(x.device),
         )
     return out

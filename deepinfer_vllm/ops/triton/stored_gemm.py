@@ -38,7 +38,7 @@ SM, the lanes summed by a fixed tree. Measured on the H200 (benchmarks/README.md
 step, third session"): 7.8 against 10.6 us for the fp32 ``[512, 5120]`` at one row, where a
 plain reader of the same 10.5 MB takes 5.3 us; from three rows the tensor cores are as fast.
 
-Prefill-sized calls (at least ``fp8_gemm.VENDOR_ROWS`` rows, on CUDA) run on cuBLAS instead, as the dense
+Prefill-sized calls (at least ``VENDOR_ROWS`` rows, on CUDA) run on cuBLAS instead, as the dense
 FP8 GEMM's do: bf16 operands with fp32 output (``out_dtype``) and fp32 accumulation (reduced-precision
 reductions off), a bf16 weight in one product, an fp32 weight as its three exact bf16 parts (the split above,
 one pass over the weight per call), ``lo`` first, each next part's product added to the previous ones in the
@@ -58,7 +58,6 @@ import triton
 import triton.language as tl
 
 from deepinfer_vllm.ops.triton.fp8_gemm import (
-    VENDOR_ROWS,
     fp32_reductions,
     gemm_output,
     pick_config,
@@ -79,6 +78,7 @@ __all__ = ["bf16x3", "dot_bf16", "gemv_config", "split_bf16x3", "stored_config",
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPLIT = 16  # K splits of a decode-sized call (the compressor's N = 512 is 4 row tiles)
 GEMV_ROWS = 2  # calls of at most this many rows run on CUDA cores (``_stored_gemv_kernel``)
+VENDOR_ROWS = 1024  # from this many rows on CUDA: cuBLAS (docstring; 8192 rows measured, 256 not yet)
 
 
 # --------------------------------------------------------------------------- the split
