@@ -37,8 +37,8 @@ def staged_by_gather(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# items (row, 128-column tile) spread over programs of 32, the last one partial: 1, 6, 45, 34 and 85 items
-@pytest.mark.parametrize("m,c", [(1, 128), (3, 256), (5, 1152), (2, 2048 + 128), (17, 640)])
+# (row, 128-column tile) items over programs of 32, the last one partial: 1, 6, 45, 34, 85 and 16900 items
+@pytest.mark.parametrize("m,c", [(1, 128), (3, 256), (5, 1152), (2, 2048 + 128), (17, 640), (16900, 128)])
 def test_x_tile_order_is_the_gather(G, m, c):
     g = torch.Generator().manual_seed(m * c)
     x = torch.randn(m, c, generator=g).bfloat16()

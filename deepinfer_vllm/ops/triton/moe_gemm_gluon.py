@@ -86,7 +86,9 @@ BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
 BK = 128  # K per tile: 16 packed bytes = one scale block per lane and row
 _PROGRAMS_PER_SM = 16
 X_TILED_ROWS = 32  # from this token tile on, x is rewritten in the tile order first (module docstring)
-_ORDER_ITEMS = 32  # (row, 128-column tile) items per program of x_tile_order: 8 KB in, 8 KB out
+# (row, 128-column tile) items per program of x_tile_order: 8 KB in, 8 KB out (H200, 8192 tokens: 147 us for the
+# experts' two rewrites against 231 with one 2 KB program per row and 8 tiles; at 64 rows 2.6 us a call against 1.6).
+_ORDER_ITEMS = 32
 
 
 @triton.jit
