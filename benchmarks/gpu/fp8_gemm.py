@@ -10,10 +10,10 @@ Rows:
   * a tile sweep (act=bf16) on (5120, 8192) at M = 8192 and M = 1 (``GEMM_SWEEP=0`` skips it).
 ``--decode``: M = 1..64 only, the default (the Gluon kernel on sm90) beside the Triton kernel and Gluon variants
 on the same call, and a plain reader of the same weight bytes (the ceiling).
-``--mid``: M = 128, 256, 512 (large decode batches: above the Gluon kernel's 64 rows, below ``VENDOR_ROWS``):
-the default (the Triton kernel), the Gluon kernel's 64-row tiles forced (each tile decodes the weights
-again; x rewritten in the tile order or gathered) and its 128-row tiles, the weight decoded to bf16 and
-cuBLAS (the prefill path; decode included), and a plain reader of the same weight bytes.
+``--mid``: M = 128, 256, 512 (large decode batches, above the Gluon kernel's 64 rows): the default (the Triton
+kernel below ``VENDOR_ROWS``, the decoded weight on cuBLAS from it), the Gluon kernel's 64-row tiles forced
+(each tile decodes the weights again; x rewritten in the tile order or gathered) and its 128-row tiles, the
+weight decoded to bf16 and cuBLAS (decode included), and a plain reader of the same weight bytes.
 The act="mxfp8" rows include the Triton activation quantiser (one extra launch).
 """
 
@@ -30,7 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops import quant  # noqa: E402
-from deepinfer_vllm.ops.triton.fp8_gemm import _vendor_gemm, fp8_block_gemm, pick_config  # noqa: E402
+from deepinfer_vllm.ops.triton.fp8_gemm import (  # noqa: E402
+    VENDOR_ROWS,
+    _vendor_gemm,
+    fp8_block_gemm,
+    pick_config,
+)
 
 SHAPES = [(1792, 5120), (5120, 8192), (4608, 5120)]
 DECODE_M = (1, 64, 256)
@@ -223,7 +228,8 @@ def run_mid(ceilings: Ceilings):
                 ("decoded bf16 + cuBLAS", lambda: _vendor_gemm(x, wu, su, out, 1)),
             ]
             for label, fn in variants:
-                cfg = f" ({_cfg_name(pick_config(m, n, k))})" if label == "default" else ""
+                triton_default = label == "default" and m < VENDOR_ROWS
+                cfg = f" ({_cfg_name(pick_config(m, n, k))})" if triton_default else ""
                 yield Row(
                     kernel=f"fp8_block_gemm {label}",
                     shape=f"M={m} N={n} K={k}{cfg}",

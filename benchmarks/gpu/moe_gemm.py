@@ -169,13 +169,12 @@ def run_decode(ceilings: Ceilings):
                     flops=2 * r * n * k,
                 )
             # the same call on the Triton kernel (design 2) and on Gluon ring depths, act=bf16
+            base = gluon_config(r, LOCAL, n, k)
             variants = [("triton", moe_config(r, LOCAL, n, k))]
-            variants += [
-                (f"gluon NS={ns} maxnreg={m}", dict(gluon_config(r, LOCAL, n, k), NS=ns, MAXNREG=m))
-                for ns, m in ((4, 96), (3, None), (6, 96))
-            ]
-            if gluon_config(r, LOCAL, n, k)["BT"] >= X_TILED_ROWS:  # x gathered instead of rewritten first
-                variants += [("gluon x gathered", dict(gluon_config(r, LOCAL, n, k), X_TILED=False))]
+            rings = ((4, 96), (3, None), (6, 96))
+            variants += [(f"gluon NS={ns} maxnreg={m}", dict(base, NS=ns, MAXNREG=m)) for ns, m in rings]
+            if base["BT"] >= X_TILED_ROWS:  # x gathered instead of rewritten first
+                variants += [("gluon x gathered", dict(base, X_TILED=False))]
             for label, cfg in variants:
                 t = time_s(lambda cfg=cfg: grouped_fp4_gemm(x, offs, w, s, "bf16", config=cfg))  # noqa: B023
                 yield Row(

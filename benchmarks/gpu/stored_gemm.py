@@ -21,7 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from benchmarks.gpu.fp8_gemm import _read_launcher  # noqa: E402
-from deepinfer_vllm.ops.triton.stored_gemm import GEMV_ROWS, VENDOR_ROWS, stored_config, stored_gemm  # noqa: E402
+from deepinfer_vllm.ops.triton.stored_gemm import (  # noqa: E402
+    GEMV_ROWS,
+    VENDOR_ROWS,
+    stored_config,
+    stored_gemm,
+)
 
 SHAPES = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16), (64, 5120, torch.bfloat16)]
 DECODE_M = (1, 2, 64, 256)

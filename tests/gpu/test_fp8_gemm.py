@@ -21,7 +21,12 @@ import torch
 from conftest import INTERPRET, shapes
 
 from deepinfer_vllm.ops import quant, quant_gemm
-from deepinfer_vllm.ops.triton.fp8_gemm import VENDOR_ROWS, fp8_block_decode, fp8_block_gemm
+from deepinfer_vllm.ops.triton.fp8_gemm import (
+    VENDOR_ROWS,
+    VENDOR_ROWS_GROUPED,
+    fp8_block_decode,
+    fp8_block_gemm,
+)
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq, mxfp8_quantize
 
 ACTS = ["bf16", "mxfp8"]
@@ -122,7 +127,7 @@ def test_fp8_gemm_matches_reference(device, act, out_dtype, m, n, k, cfg):
     "m,groups,n_group,k",
     shapes(
         [(3, 2, 64, 96), (20, 4, 96, 64)],
-        [(1, 8, 1024, 512), (64, 8, 1024, 512), (700, 16, 1024, 512), (VENDOR_ROWS, 16, 1024, 512)],
+        [(1, 8, 1024, 512), (64, 8, 1024, 512), (700, 16, 1024, 512), (VENDOR_ROWS_GROUPED, 16, 1024, 512)],
     ),
 )
 def test_fp8_gemm_grouped_matches_reference(device, act, m, groups, n_group, k):
