@@ -183,3 +183,36 @@ def test_profiling_run_without_caches_computes_real_activations(harness):
     torch.testing.assert_close(alone, batch[[0, 17, 39]], rtol=1e-5, atol=1e-5)
     # The logits of a dummy step are the head's output, not zeros.
     assert torch.isfinite(harness.model.compute_logits(batch)).all()
+
+
+def test_gemms_sharing_an_input_declare_it(harness, monkeypatch):
+    """The layers declare the GEMM inputs their FP8 projections share (``ops.shared_input``), so a
+    kernel's preparation of an input (the Gluon GEMMs' rewrite of ``x``) is made once: in each layer
+    ``wkv`` reuses ``wq_a``'s, the indexer's ``wq_b`` the query's ``wq_b``'s, the shared expert's ``w3``
+    ``w1``'s; no other FP8 GEMM reuses one. A probe form stands in for the kernel's (on the CPU the
+    reference runs, which prepares nothing)."""
+    from deepinfer_vllm.model_executor.quantization import V41Fp8LinearMethod
+    from deepinfer_vllm.ops.shared_input import input_form
+
+    calls: list[tuple[str, bool]] = []
+    apply = V41Fp8LinearMethod.apply
+
+    def probed(self, layer, x, bias=None, out_dtype=None):
+        made = []
+        input_form(x.reshape(-1, x.shape[-1]), "probe", lambda t: made.append(1) or t)
+        calls.append((layer.prefix, not made))
+        return apply(self, layer, x, bias, out_dtype)
+
+    monkeypatch.setattr(V41Fp8LinearMethod, "apply", probed)
+    harness.step([("shared-input", _prompt(5, 11))])
+    want_hits, want_makes = set(), set()
+    for i, block in enumerate(harness.model.layers):
+        p = f"layers.{i}"
+        want_makes |= {f"{p}.attn.wq_a", f"{p}.attn.wq_b", f"{p}.attn.wo_b", f"{p}.ffn.shared_experts.w1"}
+        want_makes.add(f"{p}.ffn.shared_experts.w2")
+        want_hits |= {f"{p}.attn.wkv", f"{p}.ffn.shared_experts.w3"}
+        if block.attn.role.ratio > 0 and block.attn.role.is_index_source:
+            want_hits.add(f"{p}.attn.indexer.wq_b")
+    hits = {prefix for prefix, hit in calls if hit}
+    assert hits == want_hits
+    assert {prefix for prefix, hit in calls if not hit} >= want_makes

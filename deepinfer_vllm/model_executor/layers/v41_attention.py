@@ -35,6 +35,7 @@ from deepinfer_vllm.model_executor.layers.params import built_for, held
 from deepinfer_vllm.model_executor.layers.step_state import PagedView, RingView, StepState
 from deepinfer_vllm.ops.attention_ops import IndexerTopK, PagedSparseAttention, PoolPairs, StoreRecords
 from deepinfer_vllm.ops.rope import RopeTail
+from deepinfer_vllm.ops.shared_input import shared_inputs
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
 
 
@@ -200,18 +201,22 @@ class V41Attention(nn.Module):
         T = x.shape[0]
         pos = state.positions
 
-        c_q = self.q_norm(self.wq_a(x))
-        q = self.wq_b(c_q).view(T, self.num_local_heads, a.head_dim)
-        q = self._rope(q, pos, in_place=True)  # q, kv, o and the index query are this layer's own
-        kv = self.kv_norm(self.wkv(x))
-        kv = self._rope(kv, pos, in_place=True)
+        # wq_a and wkv multiply x, wq_b and the indexer's wq_b multiply c_q: a GEMM kernel's
+        # preparation of each (the Gluon GEMMs' rewrite of x) is made once.
+        with shared_inputs(x) as shared:
+            c_q = self.q_norm(self.wq_a(x))
+            shared.add(c_q)
+            q = self.wq_b(c_q).view(T, self.num_local_heads, a.head_dim)
+            q = self._rope(q, pos, in_place=True)  # q, kv, o and the index query are this layer's own
+            kv = self.kv_norm(self.wkv(x))
+            kv = self._rope(kv, pos, in_place=True)
 
-        if state.has_caches:
-            o = self._attend(x, c_q, q, kv, state, write_compressed)
-        else:
-            # Profiling / dummy run: each token attends to its own key only.
-            ones = torch.ones(T, 1, dtype=torch.bool, device=x.device)
-            o = sparse_attention(q, kv.unsqueeze(1), ones, self.attn_sink, a.head_dim**-0.5)
+            if state.has_caches:
+                o = self._attend(x, c_q, q, kv, state, write_compressed)
+            else:
+                # Profiling / dummy run: each token attends to its own key only.
+                ones = torch.ones(T, 1, dtype=torch.bool, device=x.device)
+                o = sparse_attention(q, kv.unsqueeze(1), ones, self.attn_sink, a.head_dim**-0.5)
         o = self._rope(o, pos, inverse=True, in_place=True)
         return self.wo_b(self._grouped_wo_a(o.reshape(T, self.num_local_groups, -1)))
 

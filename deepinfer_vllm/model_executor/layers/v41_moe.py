@@ -48,6 +48,7 @@ from deepinfer_vllm.ops.moe import (
     expert_choices,
 )
 from deepinfer_vllm.ops.numerics import acc_dtype
+from deepinfer_vllm.ops.shared_input import shared_inputs
 from deepinfer_vllm.ops.weight_gemm import Fp4RowsGemm
 
 _PROJECTIONS = ("w1", "w2", "w3")
@@ -85,7 +86,9 @@ class SharedExpert(nn.Module):
         self.swiglu = SwiGlu(*built_for())
 
     def forward(self, x: torch.Tensor, limit: float) -> torch.Tensor:
-        return self.w2(self.swiglu(self.w1(x), self.w3(x), limit, out_dtype=x.dtype))
+        with shared_inputs(x):  # w1 and w3 multiply x: a kernel's preparation of it is made once
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(self.swiglu(gate, up, limit, out_dtype=x.dtype))
 
 
 class RoutedExperts(nn.Module):

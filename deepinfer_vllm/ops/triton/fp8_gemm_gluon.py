@@ -27,7 +27,8 @@ the values of its own A fragment, so no decoded value goes through shared memory
 * ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) go through NVMMA-swizzled shared memory; one barrier
   per tile hands them to the wgmma. Scale words are read one tile ahead into registers. From 32 batch rows
   (``X_TILED``) ``x`` is first rewritten in that order (``moe_gemm_gluon.x_tile_order``, one pass) and its
-  tiles are copied 16 bytes at a time: the same values in the same places, the same bits.
+  tiles are copied 16 bytes at a time: the same values in the same places, the same bits. GEMMs sharing ``x``
+  (``wq_a`` and ``wkv``, ``w1`` and ``w3``, the two ``wq_b``) share one rewrite (``ops.shared_input``).
 * Above 16 batch rows two warpgroups (128 weight rows) share each ``x`` tile, which otherwise costs as many
   shared-memory bytes as the weights; up to 32 rows the wgmma is issued asynchronously and the next tile's decode
   runs under it (``ASYNC``; at 64 rows the extra barrier this needs costs more than it hides).
@@ -41,6 +42,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from deepinfer_vllm.ops.shared_input import input_form
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE, X_TILED_ROWS, x_tile_order
 from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_counters, split_k, splitk_reduce
@@ -49,7 +51,11 @@ if GLUON_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
 __all__ = ["E4M3_PTX", "MAX_SCALE_BYTE", "gluon_fp8_block_gemm", "gluon_fp8_config", "gluon_fp8_supported"]
 
@@ -324,7 +330,7 @@ def gluon_fp8_block_gemm(
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     fixup = split > 1 and cfg.get("FIXUP", bt <= 16)
     x_tiled = cfg.get("X_TILED", bt >= X_TILED_ROWS)
-    xi = x_tile_order(x) if x_tiled else x.view(torch.int32)
+    xi = input_form(x, "tile_order", x_tile_order) if x_tiled else x.view(torch.int32)
     wi = w.view(torch.int32)
     si = s.view(torch.int32)
     grid = (n // (64 * wg), triton.cdiv(m, bt), split)

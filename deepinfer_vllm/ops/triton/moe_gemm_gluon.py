@@ -28,7 +28,8 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
   From 32 token rows a tile (``X_TILED``), ``x`` is first rewritten once in that order
   (``x_tile_order``: one pass, 16-byte loads and stores, the permutation in registers) and its tiles
   are copied 16 bytes at a time: the same values in the same shared-memory places, so the same bits.
-  (With few rows the gathers are few and the extra launch costs more than they do.)
+  (With few rows the gathers are few and the extra launch costs more than they do.) GEMMs sharing
+  ``x`` share its rewrite where the model declares it (``ops.shared_input``).
 
 Only for K a multiple of 128, N a multiple of 64. sm90 only. Row tiles of up to 64 token rows (the
 wgmma's N); prefill walks several per expert, each decoding the expert's weights again (at 8192
@@ -41,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.shared_input import input_form
 from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
 
@@ -391,7 +393,7 @@ def gluon_grouped_fp4_gemm(
     row_tiles = min(r, triton.cdiv(r, bt) + e_count + 1)
     grid_m = cfg.get("GRID_M") or max(1, min(row_tiles, _PROGRAMS_PER_SM * sms // (n_tiles * split)))
     x_tiled = cfg.get("X_TILED", bt >= X_TILED_ROWS)
-    xi = x_tile_order(x) if x_tiled else x.view(torch.int32)
+    xi = input_form(x, "tile_order", x_tile_order) if x_tiled else x.view(torch.int32)
     wi = w.view(torch.int32)
     si = s.view(torch.int32)
     _moe_gemm_gluon_kernel[(n_tiles, grid_m, split)](
