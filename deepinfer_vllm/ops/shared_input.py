@@ -13,9 +13,10 @@ that form once for all of them when the model declares the sharing::
         q, kv, idx_q = wq_b(c_q), wkv(x), idx_wq_b(c_q)
 
 and the kernel asks ``input_form(x, "tile_order", x_tile_order)`` instead of calling
-``x_tile_order(x)``. Outside a scope, or for a tensor not declared, ``input_form`` simply makes
-the form. The forms are pure functions of the values, so sharing changes no bit of any output;
-it saves launches and passes.
+``x_tile_order(x)`` (likewise the MXFP8 round trip of ``DEEPINFER_GEMM_ACTIVATIONS=mxfp8``, whose
+result is then shared in turn). Outside a scope, or for a tensor not declared, ``input_form``
+simply makes the form. The forms are pure functions of the values, so sharing changes no bit of
+any output; it saves launches and passes.
 
 A tensor is recognised by what its data is (device, dtype, address, shape and strides): the
 2-D view a GEMM wrapper takes of a declared ``[T, K]`` tensor is the same tensor. The scope holds
@@ -90,12 +91,20 @@ def shared_inputs(*xs: torch.Tensor) -> Iterator[SharedInputs]:
 
 
 def input_form(x: torch.Tensor, name: str, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``make(x)``, made once per open scope that declared ``x`` (the innermost that did)."""
+    """``make(x)``, made once while a scope that declared ``x`` is open: a form already made in any open
+    scope declaring ``x`` is reused (innermost first), else it is made in the innermost one. A form of a
+    declared tensor is declared in the same scope (the GEMMs sharing ``x`` share what is made of it too:
+    the MXFP8 round trip of ``x``, then that round trip's rewrite)."""
+    declaring = []
     for scope in reversed(_open_scopes()):
         forms = scope.forms(x)
         if forms is not None:
-            form = forms.get(name)
-            if form is None:
-                form = forms[name] = make(x)
-            return form
-    return make(x)
+            if name in forms:
+                return forms[name]
+            declaring.append((scope, forms))
+    if not declaring:
+        return make(x)
+    scope, forms = declaring[0]
+    form = forms[name] = make(x)
+    scope.add(form)
+    return form

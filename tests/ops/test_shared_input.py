@@ -52,12 +52,43 @@ def test_added_inside_the_scope_and_nested_scopes():
         assert input_form(c, "rev", make) is not input_form(c, "rev", make)
         outer.add(c)
         form_c = input_form(c, "rev", make)
-        with shared_inputs(x) as inner:  # the innermost scope declaring x makes its own
+        with shared_inputs(x) as inner:  # x has no form yet: made in the innermost scope declaring it
             form_x = input_form(x, "rev", make)
-            assert input_form(c, "rev", make) is form_c  # c: still the outer scope's
+            assert input_form(c, "rev", make) is form_c  # c: the outer scope's
             assert inner.made() == {"rev": 1}
-        assert input_form(x, "rev", make) is not form_x
+        assert input_form(x, "rev", make) is not form_x  # the inner scope closed with its form
+        with shared_inputs(x) as inner:  # a form an outer scope made is reused
+            assert input_form(x, "rev", make) is input_form(x, "rev", make)
+            assert inner.made() == {}
         assert outer.made() == {"rev": 2}
+
+
+def test_forms_of_a_declared_tensor_are_shared_too():
+    x, first, second = torch.randn(4, 8), Maker(), Maker()
+    with shared_inputs(x):
+        for _ in range(3):  # e.g. the MXFP8 round trip of x, then its rewrite
+            y = input_form(input_form(x, "a", first), "b", second)
+        assert (first.calls, second.calls) == (1, 1)
+        assert torch.equal(y, x)  # reversed twice
+
+
+def test_gemm_activations_round_trip_once_per_shared_input(monkeypatch):
+    """``DEEPINFER_GEMM_ACTIVATIONS=mxfp8``: the GEMMs sharing ``x`` share its MXFP8 round trip."""
+    pytest.importorskip("triton")
+    from deepinfer_vllm.ops import quant
+    from deepinfer_vllm.ops.triton import fp8_gemm
+
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "mxfp8_qdq", lambda t: calls.append(1) or quant.mxfp8_qdq(t))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    want = quant.mxfp8_qdq(x)
+    with shared_inputs(x):
+        got = [fp8_gemm.gemm_activations(x, "mxfp8") for _ in range(3)]
+    assert len(calls) == 1 and all(g is got[0] for g in got)
+    assert torch.equal(got[0].view(torch.int16), want.view(torch.int16))
+    fp8_gemm.gemm_activations(x, "mxfp8")
+    assert len(calls) == 2
+    assert fp8_gemm.gemm_activations(x, "bf16") is x  # nothing to make
 
 
 def test_an_exception_closes_the_scope():

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.shared_input import input_form
 from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE, gluon_fp8_block_gemm, gluon_fp8_supported
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq
 from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
@@ -217,9 +218,10 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
 
 
 def gemm_activations(x: torch.Tensor, act: str) -> torch.Tensor:
-    """The bf16 rows of ``x`` the kernels read: ``x``, or its exact MXFP8 round trip."""
+    """The bf16 rows of ``x`` the kernels read: ``x``, or its exact MXFP8 round trip (made once for the
+    GEMMs that share ``x``: ``ops.shared_input``)."""
     if act == "mxfp8":
-        return mxfp8_qdq(x)
+        return input_form(x, "mxfp8", mxfp8_qdq)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"act='bf16' takes bf16 x, got {x.dtype}")
     return x if x.stride(1) == 1 else x.contiguous()
