@@ -235,8 +235,12 @@ def test_gluon_fp8_shared_input_rewrites_x_once(device, monkeypatch):
     for a, b in zip(alone, shared):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), shared_inputs(x):
-        captured = both()
+    with shared_inputs(x):
+        both()  # made outside the capture: not reused inside it
+        assert len(made) == 4
+        with torch.cuda.graph(graph):
+            captured = both()
+    assert len(made) == 5
     x.copy_(make_x(64, 5120, seed=6, device=device))
     graph.replay()
     want = both()

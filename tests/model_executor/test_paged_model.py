@@ -195,12 +195,17 @@ def test_gemms_sharing_an_input_declare_it(harness, monkeypatch):
     from deepinfer_vllm.ops.shared_input import input_form
 
     calls: list[tuple[str, bool]] = []
+    made: list[int] = []
     apply = V41Fp8LinearMethod.apply
 
+    def make(t):  # one maker: forms are recognised by name and maker
+        made.append(1)
+        return t.clone()
+
     def probed(self, layer, x, bias=None, out_dtype=None):
-        made = []
-        input_form(x.reshape(-1, x.shape[-1]), "probe", lambda t: made.append(1) or t)
-        calls.append((layer.prefix, not made))
+        before = len(made)
+        input_form(x.reshape(-1, x.shape[-1]), "probe", make)
+        calls.append((layer.prefix, len(made) == before))
         return apply(self, layer, x, bias, out_dtype)
 
     monkeypatch.setattr(V41Fp8LinearMethod, "apply", probed)

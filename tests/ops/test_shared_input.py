@@ -100,3 +100,21 @@ def test_an_exception_closes_the_scope():
     input_form(x, "rev", make)
     input_form(x, "rev", make)
     assert make.calls == 3
+
+
+def test_forms_are_told_apart_by_maker_and_by_graph_capture(monkeypatch):
+    from deepinfer_vllm.ops import shared_input
+
+    x, a, b = torch.randn(4, 8), Maker(), Maker()
+    with shared_inputs(x):
+        assert input_form(x, "rev", a) is not input_form(x, "rev", b)  # same name, another maker
+        eager = input_form(x, "rev", a)
+        assert (a.calls, b.calls) == (1, 1)
+        # a form made outside a CUDA graph capture is not reused inside one (the graph would not hold its
+        # launch), and one made inside is not reused outside
+        monkeypatch.setattr(shared_input, "_capturing", lambda t: True)
+        captured = input_form(x, "rev", a)
+        assert captured is not eager and input_form(x, "rev", a) is captured
+        monkeypatch.setattr(shared_input, "_capturing", lambda t: False)
+        assert input_form(x, "rev", a) is not captured
+        assert a.calls == 3

@@ -201,14 +201,14 @@ class V41Attention(nn.Module):
         T = x.shape[0]
         pos = state.positions
 
-        # wq_a and wkv multiply x, wq_b and the indexer's wq_b multiply c_q: a GEMM kernel's
-        # preparation of each (the Gluon GEMMs' rewrite of x) is made once.
-        with shared_inputs(x) as shared:
+        # wq_a and wkv multiply x, wq_b and the indexer's wq_b (in _select) multiply c_q: a GEMM
+        # kernel's preparation of each (the Gluon GEMMs' rewrite, the MXFP8 round trip) is made once.
+        with shared_inputs(x):
             c_q = self.q_norm(self.wq_a(x))
-            shared.add(c_q)
+            kv = self.kv_norm(self.wkv(x))
+        with shared_inputs(c_q):
             q = self.wq_b(c_q).view(T, self.num_local_heads, a.head_dim)
             q = self._rope(q, pos, in_place=True)  # q, kv, o and the index query are this layer's own
-            kv = self.kv_norm(self.wkv(x))
             kv = self._rope(kv, pos, in_place=True)
 
             if state.has_caches:

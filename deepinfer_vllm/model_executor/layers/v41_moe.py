@@ -86,7 +86,9 @@ class SharedExpert(nn.Module):
         self.swiglu = SwiGlu(*built_for())
 
     def forward(self, x: torch.Tensor, limit: float) -> torch.Tensor:
-        return self.w2(self.swiglu(self.w1(x), self.w3(x), limit, out_dtype=x.dtype))
+        with shared_inputs(x):  # w1 and w3 multiply x: a kernel's preparation of it is made once
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(self.swiglu(gate, up, limit, out_dtype=x.dtype))
 
 
 class RoutedExperts(nn.Module):
@@ -383,9 +385,5 @@ class V41MoE(nn.Module):
             token_ids=input_ids,
             image_token_id=self.image_token_id,
         )
-        # The routed experts' first GEMM and the shared expert's w1 and w3 multiply x: a kernel's
-        # preparation of it (the Gluon GEMMs' rewrite, the MXFP8 round trip) is made once.
-        with shared_inputs(x):
-            routed = self.experts(x, weights, ids, self.swiglu_limit)
-            shared = self.shared_experts(x, self.swiglu_limit)
-        return self.add_shared(routed, shared, x.dtype)
+        routed = self.experts(x, weights, ids, self.swiglu_limit)
+        return self.add_shared(routed, self.shared_experts(x, self.swiglu_limit), x.dtype)
