@@ -19,7 +19,7 @@ import functools
 
 import pytest
 import torch
-from conftest import INTERPRET, poison_, shapes
+from conftest import INTERPRET, shapes
 
 from deepinfer_vllm.ops.triton.stored_gemm import VENDOR_ROWS, stored_gemm
 
