@@ -109,10 +109,13 @@ def input_form(x: torch.Tensor, name: str, make: Callable[[torch.Tensor], torch.
     share what is made of it too: the MXFP8 round trip of ``x``, then that round trip's rewrite). A form
     made outside a CUDA graph capture is not reused inside one, nor the other way round: the graph must
     hold the launch that makes what it reads."""
+    scopes = _open_scopes()
+    if not scopes:
+        return make(x)
     key = (name, make)
     capturing = _capturing(x)
     declaring = None
-    for scope in reversed(_open_scopes()):
+    for scope in reversed(scopes):
         forms = scope.forms(x)
         if forms is None:
             continue
