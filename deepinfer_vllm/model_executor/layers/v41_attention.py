@@ -201,11 +201,9 @@ class V41Attention(nn.Module):
         T = x.shape[0]
         pos = state.positions
 
-        # wq_a and wkv multiply x, wq_b and the indexer's wq_b (in _select) multiply c_q: a GEMM
-        # kernel's preparation of each (the Gluon GEMMs' rewrite, the MXFP8 round trip) is made once.
-        with shared_inputs(x):
-            c_q = self.q_norm(self.wq_a(x))
-            kv = self.kv_norm(self.wkv(x))
+        c_q, kv = self._latents(x)
+        # wq_b and the indexer's wq_b (in _select) multiply c_q: a GEMM kernel's preparation of it
+        # (the Gluon GEMMs' rewrite, the MXFP8 round trip) is made once.
         with shared_inputs(c_q):
             q = self.wq_b(c_q).view(T, self.num_local_heads, a.head_dim)
             q = self._rope(q, pos, in_place=True)  # q, kv, o and the index query are this layer's own
@@ -219,6 +217,12 @@ class V41Attention(nn.Module):
                 o = sparse_attention(q, kv.unsqueeze(1), ones, self.attn_sink, a.head_dim**-0.5)
         o = self._rope(o, pos, inverse=True, in_place=True)
         return self.wo_b(self._grouped_wo_a(o.reshape(T, self.num_local_groups, -1)))
+
+    def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed query latent ``c_q`` and the normed (unrotated) KV row of ``x``; ``wq_a`` and
+        ``wkv`` share a GEMM kernel's preparation of ``x`` (``ops.shared_input``)."""
+        with shared_inputs(x):
+            return self.q_norm(self.wq_a(x)), self.kv_norm(self.wkv(x))
 
     def _grouped_wo_a(self, group_in: torch.Tensor) -> torch.Tensor:
         """Output group ``g`` of this rank reads its own heads: ``z_g = x_g @ W_g.T`` with

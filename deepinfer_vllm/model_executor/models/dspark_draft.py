@@ -33,7 +33,6 @@ from deepinfer_vllm.model_executor.layers.v41_mhc import HyperConnection, collap
 from deepinfer_vllm.model_executor.layers.v41_moe import V41MoE
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.dspark import context_window
-from deepinfer_vllm.ops.shared_input import shared_inputs
 from deepinfer_vllm.ops.sparse_attention import sparse_attention
 
 __all__ = ["DSparkStage", "build_stages"]
@@ -54,9 +53,7 @@ class DSparkAttention(V41Attention):
         a = self.arch
         T = x.shape[0]
         R = T // k
-        with shared_inputs(x):  # wq_a and wkv multiply x (as in the backbone's forward)
-            c_q = self.q_norm(self.wq_a(x))
-            kv = self.kv_norm(self.wkv(x))
+        c_q, kv = self._latents(x)
         q = self._rope(self.wq_b(c_q).view(T, self.num_local_heads, a.head_dim), pos)
         own = quant.mxfp8_qdq(self._rope(kv, pos)).view(R, k, a.head_dim)
         ctx_pos, ctx_valid = context_window(anchor, a.sliding_window)
