@@ -61,10 +61,10 @@ def bf16_ulp(v: torch.Tensor) -> torch.Tensor:
 def check(got: torch.Tensor, ref32: torch.Tensor, x_used: torch.Tensor, w: torch.Tensor) -> None:
     k = w.shape[1]
     bound = 2e-6 * k * (x_used.double().abs() @ w.double().abs().t()) + 1e-30
-    err = (got.double() - ref32.double()).abs()
+    g, r = got.double(), ref32.double()
+    err = (g - r).abs()
     if got.dtype == torch.bfloat16:
         bound = bound + bf16_ulp(ref32)
-    g, r = got.double(), ref32.double()
     # NaN fails (``err > bound`` alone would let it pass) unless the reference has it there too
     bad = ~((err <= bound) | (g == r) | (g.isnan() & r.isnan()))
     assert not bad.any(), (
