@@ -14,7 +14,11 @@ act="mxfp8" rows include the Triton activation quantiser.
 256 tokens, w13 and w2, ``grouped_fp4_gemm`` (both acts) beside a plain reader of the same expert bytes
 (``read experts``: one program per 16 KB of each touched expert's packed weight and scales,
 XOR-reduced). Same timing as every row (CUDA graph, L2 flushed before each call), same byte count,
-% of copy.
+% of copy. ``--decode --ab FILE``: also the Gluon wrapper of another copy of ``moe_gemm_gluon.py`` (for
+instance
+``git show REV:deepinfer_vllm/ops/triton/moe_gemm_gluon.py > build/diag/moe_gemm_gluon_b.py``) on the same
+inputs and its own default config, act=bf16 (``gluon other``), with the largest difference of the two outputs
+relative to the output's largest value.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s
 from deepinfer_vllm.ops import quant
 from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm, moe_config
-from deepinfer_vllm.ops.triton.moe_gemm_gluon import X_TILED_ROWS, gluon_config
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_config
 
 EXPERTS, LOCAL, TOP_K = 384, 48, 6
 GEMMS = [("w13", 4608, 5120), ("w2", 5120, 2304)]
@@ -53,9 +57,8 @@ SWEEP_PREFILL = [
     dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3),
     dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4),
     dict(BM=128, BN=128, BK=64, num_warps=4, num_stages=4),
-    # the Gluon kernel as chosen at prefill: x rewritten in the tile order (default) or gathered
-    dict(BT=64, NS=3, MAXNREG=168, SPLIT=1, X_TILED=True),
-    dict(BT=64, NS=3, MAXNREG=168, SPLIT=1, X_TILED=False),
+    # the Gluon kernel as chosen at prefill
+    dict(BT=64, NS=3, MAXNREG=168, SPLIT=1),
 ]
 
 
@@ -152,6 +155,7 @@ def run_decode(ceilings: Ceilings):
     """Decode: the grouped kernel (both acts) and the plain reader of the same bytes. A generator:
     each row is printed as soon as it is measured."""
     torch.manual_seed(0)
+    other = _load_other(sys.argv[sys.argv.index("--ab") + 1]) if "--ab" in sys.argv else None
     for name, n, k in GEMMS:
         w, s = experts(n, k)
         for tokens in DECODE_ROWS_TOKENS:
@@ -173,8 +177,6 @@ def run_decode(ceilings: Ceilings):
             variants = [("triton", moe_config(r, LOCAL, n, k))]
             rings = ((4, 96), (3, None), (6, 96))
             variants += [(f"gluon NS={ns} maxnreg={m}", dict(base, NS=ns, MAXNREG=m)) for ns, m in rings]
-            if base["BT"] >= X_TILED_ROWS:  # x gathered instead of rewritten first
-                variants += [("gluon x gathered", dict(base, X_TILED=False))]
             for label, cfg in variants:
                 t = time_s(lambda cfg=cfg: grouped_fp4_gemm(x, offs, w, s, "bf16", config=cfg))  # noqa: B023
                 yield Row(
@@ -184,8 +186,40 @@ def run_decode(ceilings: Ceilings):
                     bytes=nbytes,
                     flops=2 * r * n * k,
                 )
+            if other is not None:
+                mine = grouped_fp4_gemm(x, offs, w, s, "bf16", torch.float32)
+                theirs = _other_call(other, x, offs, w, s)
+                yield Row(
+                    kernel=f"grouped_fp4_gemm {name} act=bf16 gluon other ({_rel_diff(mine, theirs):.1e})",
+                    shape=shape,
+                    seconds=time_s(lambda: _other_call(other, x, offs, w, s)),  # noqa: B023 - called at once
+                    bytes=nbytes,
+                    flops=2 * r * n * k,
+                )
             t = time_s(_read_launcher(w, s, offs))
             yield Row(kernel=f"read experts {name}", shape=shape, seconds=t, bytes=nbytes)
+
+
+def _load_other(path: str):
+    """Another copy of ``moe_gemm_gluon.py`` as a module of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("moe_gemm_gluon_other", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _other_call(other, x, offs, w, s) -> torch.Tensor:
+    """The other copy's kernel on the checked arguments ``grouped_fp4_gemm`` would give it, act=bf16, fp32
+    out."""
+    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    return other.gluon_grouped_fp4_gemm(x, offs, w.view(torch.uint8), s.view(torch.uint8), out)
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
 
 
 if __name__ == "__main__":

@@ -241,12 +241,27 @@ class GroupedExpertGemm(ActivationsGemm):
     name = "moe_grouped_gemm"
     kernel_modules = {"triton": "deepinfer_vllm.ops.triton.moe_gemm"}
 
-    def forward_native(self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True):
-        return quant_gemm.grouped_fp4_gemm(x, offsets, weight, scale, self.act, out_dtype, rows=rows)
+    def reads_tile_order(self, weight: torch.Tensor) -> bool:
+        """Whether the chosen implementation stages this weight's ``x`` in ``quant_gemm.tile_order_columns``'s
+        order (the Gluon kernel, bf16 activations): then the layer's producer of ``x`` writes it so and passes
+        ``x_tile_ordered=True``, which saves the GEMM a rewrite of ``x``. Asked once, when the layer is
+        built."""
+        reads = getattr(self.kernels, "reads_tile_order", None) if self.backend == "triton" else None
+        return self.act == "bf16" and bool(reads and reads(weight))
 
-    def forward_triton(self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True):
+    def forward_native(
+        self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True, x_tile_ordered=False
+    ):
+        return quant_gemm.grouped_fp4_gemm(
+            x, offsets, weight, scale, self.act, out_dtype, rows=rows, x_tile_ordered=x_tile_ordered
+        )
+
+    def forward_triton(
+        self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True, x_tile_ordered=False
+    ):
         return self.kernels.grouped_fp4_gemm(
-            x, offsets, weight, scale, self.act, out_dtype, rows=rows, zero_rest=zero_rest
+            x, offsets, weight, scale, self.act, out_dtype, rows=rows, zero_rest=zero_rest,
+            x_tile_ordered=x_tile_ordered,
         )
 
 
@@ -388,7 +403,8 @@ class SwiGlu(_Bf16Kernels):
     dtypes other than bf16/fp16 (or of two dtypes), or other output dtypes, keep the reference.
     ``live_rows`` (a one-element integer tensor, e.g. a grouped GEMM's ``offsets[-1:]``): rows at or
     past it need not be computed and their output is unspecified (the kernel leaves them unwritten;
-    the grouped GEMM that follows never reads them)."""
+    the grouped GEMM that follows never reads them). ``tile_order``: the output's columns in the GPU
+    GEMMs' staging order (``quant_gemm.to_tile_order``; ``GroupedExpertGemm.reads_tile_order``)."""
 
     name = "moe_swiglu"
     kernel_modules = {"triton": "deepinfer_vllm.ops.triton.swiglu"}
@@ -401,11 +417,13 @@ class SwiGlu(_Bf16Kernels):
         row_weight: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.bfloat16,
         live_rows: torch.Tensor | None = None,
+        tile_order: bool = False,
     ) -> torch.Tensor:
         act = swiglu_clamped(gate, up, limit)
         if row_weight is not None:
             act = act * row_weight.to(act.dtype).unsqueeze(-1)
-        return act.to(out_dtype)
+        act = act.to(out_dtype)
+        return quant_gemm.to_tile_order(act) if tile_order else act
 
     def forward_triton(
         self,
@@ -415,8 +433,9 @@ class SwiGlu(_Bf16Kernels):
         row_weight: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.bfloat16,
         live_rows: torch.Tensor | None = None,
+        tile_order: bool = False,
     ) -> torch.Tensor:
         k = self.kernels
         if gate.dtype != up.dtype or gate.dtype not in k.IN_DTYPES or out_dtype not in k.OUT_DTYPES:
-            return self.forward_native(gate, up, limit, row_weight, out_dtype)
-        return k.swiglu(gate, up, limit, row_weight, out_dtype, live_rows)
+            return self.forward_native(gate, up, limit, row_weight, out_dtype, tile_order=tile_order)
+        return k.swiglu(gate, up, limit, row_weight, out_dtype, live_rows, tile_order)

@@ -26,9 +26,47 @@ from torch import Tensor
 from . import quant
 from .numerics import acc_dtype, matmul
 
-__all__ = ["ACT_MODES", "activations", "fp8_block_gemm", "grouped_fp4_gemm"]
+__all__ = [
+    "ACT_MODES",
+    "activations",
+    "fp8_block_gemm",
+    "from_tile_order",
+    "grouped_fp4_gemm",
+    "tile_order_columns",
+    "to_tile_order",
+]
 
 ACT_MODES = ("bf16", "mxfp8")
+
+
+def tile_order_columns() -> Tensor:
+    """int64 ``[128]``: the column of a 128-column tile of activations that each place holds when the GPU
+    GEMMs stage them (``ops/triton/moe_gemm_gluon.py``): place ``16s + 8h + 2q + e`` holds column ``32q + 8t +
+    j + 4e`` with ``t = s // 2``, ``j = 2 (s % 2) + h``: the places of 32-column block ``q`` are those with
+    ``(p // 2) % 4 == q`` (so a per-32-column format such as MXFP8 must be applied before the reordering, not
+    after)."""
+    p = torch.arange(128)
+    s, h, q, e = p // 16, (p // 8) % 2, (p // 2) % 4, p % 2
+    return 32 * q + 8 * (s // 2) + 2 * (s % 2) + h + 4 * e
+
+
+def _tile_index(k: int, device: torch.device, inverse: bool) -> Tensor:
+    if k % 128:
+        raise ValueError(f"the tile order needs a multiple of 128 columns, got {k}")
+    cols = tile_order_columns()
+    if inverse:
+        cols = torch.argsort(cols)
+    return (torch.arange(k // 128)[:, None] * 128 + cols[None, :]).flatten().to(device)
+
+
+def to_tile_order(x: Tensor) -> Tensor:
+    """``x [..., K]`` with each 128-column tile in the staging order (``tile_order_columns``)."""
+    return x[..., _tile_index(x.shape[-1], x.device, inverse=False)]
+
+
+def from_tile_order(x: Tensor) -> Tensor:
+    """The inverse of ``to_tile_order``."""
+    return x[..., _tile_index(x.shape[-1], x.device, inverse=True)]
 
 
 def activations(x: Tensor, act: str) -> Tensor:
@@ -72,10 +110,12 @@ def grouped_fp4_gemm(
     out_dtype: torch.dtype | None = None,
     *,
     rows: Tensor | None = None,
+    x_tile_ordered: bool = False,
 ) -> Tensor:
     """Rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` (with ``rows [R]``: of
     ``x[rows]``) times expert ``e``'s decoded ``W_e.T`` (``weight [E, N, K/2]``, ``scale
-    [E, N, K/32]``) -> ``[R, N]``.
+    [E, N, K/32]``) -> ``[R, N]``. ``x_tile_ordered``: ``x``'s columns are in the staging order
+    (``to_tile_order(x)``, as a kernel that writes them for the GPU GEMM gives them).
 
     ``expert_offsets`` is ``[E+1]``, ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R``; rows past
     ``offsets[-1]`` are zero. Same accumulation and rounding as ``fp8_block_gemm``.
@@ -83,6 +123,8 @@ def grouped_fp4_gemm(
     e_count, n, kh = weight.shape
     k = 2 * kh
     _check_x(x, k)
+    if x_tile_ordered:
+        x = from_tile_order(x)
     if rows is not None:
         x = x[rows]
     if expert_offsets.shape != (e_count + 1,):

@@ -200,13 +200,31 @@ def test_gluon_fp8_gemm_large_batches(device, cfg, m, n, k):
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
 @pytest.mark.parametrize("m,n,k,groups", [(33, 4608, 5120, 1), (64, 5120, 8192, 1), (64, 2048, 2 * 1024, 2)])
 def test_gluon_fp8_x_tiled_is_bit_identical(device, m, n, k, groups):
-    """``X_TILED`` stages the same values in the same shared-memory places as the gathers: the same bits."""
-    w, s = make_weight(n, k // groups, seed=n + k, device=device)
+    """``X_TILED`` stages ``x`` in the tile order and pairs the weights to match; the gathers stage natural
+    column pairs. With ``x`` and ``w`` permuted inside each 128-column tile so that the gathers put every
+    value where the tile order puts it (the permutation stays inside each 32-column scale block), the two give
+    the same bits."""
+    from deepinfer_vllm.ops.triton.moe_gemm_gluon import tile_order_columns
+
+    p = torch.arange(128)
+    s_, h, q, e = p // 16, (p // 8) % 2, (p // 2) % 4, p % 2
+    gathered_cols = 32 * q + 4 * s_ + 2 * h + e  # the column the gathers stage at place p
+    perm = torch.empty(128, dtype=torch.int64)
+    perm[gathered_cols] = tile_order_columns()
+    assert torch.equal(perm // 32, torch.arange(128) // 32)
+    kg = k // groups
+    cols = (torch.arange(kg // 128)[:, None] * 128 + perm[None, :]).flatten().to(device)
+    w, s = make_weight(n, kg, seed=n + k, device=device)
     x = make_x(m, k, seed=m, device=device)
+    x_perm = x.view(m, groups, kg)[:, :, cols].reshape(m, k).contiguous()
     for base in (dict(BT=64, WG=2, NS=3, SPLIT=2), dict(BT=32, WG=2, NS=4, SPLIT=1, ASYNC=True)):
-        tiled, gathered = (
-            fp8_block_gemm(x, w, s, "bf16", torch.float32, groups=groups, config={**base, "X_TILED": t})
-            for t in (True, False)
+        tiled = fp8_block_gemm(
+            x, w, s, "bf16", torch.float32, groups=groups, config={**base, "X_TILED": True}
+        )
+        gathered = fp8_block_gemm(
+            x_perm, w.view(torch.uint8)[:, cols].contiguous().view(w.dtype), s, "bf16", torch.float32,
+            groups=groups,
+            config={**base, "X_TILED": False},
         )
         assert torch.equal(tiled.view(torch.int32), gathered.view(torch.int32))
 

@@ -138,8 +138,7 @@ def test_moe_gemm_deterministic(device, act, gpu_rows):
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
-@pytest.mark.parametrize("x_tiled", [True, False])
-def test_moe_gemm_gluon_repeats_bit_identical(device, x_tiled):
+def test_moe_gemm_gluon_repeats_bit_identical(device):
     """The case that failed once on the H200 (seventh session, not reproduced then:
     ``test_moe_gemm_gluon_matches_reference[48-4608-5120-6-4-out_dtype1-mxfp8]``, 6 rows in a 64-row tile,
     6 ring stages) repeated 200 times on freshly poisoned outputs, other kernels in between: every call gives
@@ -148,7 +147,7 @@ def test_moe_gemm_gluon_repeats_bit_identical(device, x_tiled):
     w, s = make_experts(e, n, k, seed=e + n + k, device=device)
     x = make_x(r, k, seed=r, device=device)
     offs = make_offsets(e, r, seed=r + e + 4, device=device, tail=3)
-    cfg = dict(BT=64, SPLIT=1, NS=6, X_TILED=x_tiled)
+    cfg = dict(BT=64, SPLIT=1, NS=6)
     other_w, other_s = make_experts(48, 5120, 2304, seed=48 + 5120 + 2304, device=device)
     other_x = make_x(200, 2304, seed=200, device=device)
     other_offs = make_offsets(48, 200, seed=252, device=device)
@@ -165,6 +164,24 @@ def test_moe_gemm_gluon_repeats_bit_identical(device, x_tiled):
             differ.append((i, rows.nonzero().flatten().tolist()))
         grouped_fp4_gemm(other_x, other_offs, other_w, other_s, "bf16", torch.float32, config=other_cfg)
     assert not differ, f"calls (index, rows) differing from the first: {differ[:8]}"
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("gather", [False, True])
+def test_moe_gemm_tile_ordered_x(device, act, gather):
+    """``x_tile_ordered=True`` (``x`` written in the staging order by its producer, the routed SwiGLU): the
+    bits of the same call on ``x`` in its own order, whichever kernel runs (Gluon on sm90 reads it as it is;
+    the Triton kernel, and ``act="mxfp8"``, put it back first)."""
+    from deepinfer_vllm.ops.quant_gemm import to_tile_order
+
+    e, n, k, r = (5, 64, 256, 40) if INTERPRET else (48, 5120, 2304, 200)
+    w, s = make_experts(e, n, k, seed=e + n + k, device=device)
+    x = make_x(r, k, seed=r + 1, device=device)
+    offs = make_offsets(e, r, seed=r + e + 1, device=device, tail=3)
+    rows = torch.randperm(r, device=device) if gather else None
+    want = grouped_fp4_gemm(x, offs, w, s, act, torch.bfloat16, rows=rows)
+    got = grouped_fp4_gemm(to_tile_order(x), offs, w, s, act, torch.bfloat16, rows=rows, x_tile_ordered=True)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("act", ["bf16", "mxfp8"])
@@ -267,28 +284,28 @@ GLUON_CONFIGS = [
     dict(BT=16, SPLIT=1),
     dict(BT=32, SPLIT=2),
     dict(BT=64, SPLIT=1, NS=6),
-    # x's tiles gathered 4 bytes at a time (the default below 32 rows) or copied from x_tile_order's rewrite
-    dict(BT=64, SPLIT=2, X_TILED=False),
-    dict(BT=32, SPLIT=1, X_TILED=False),
-    dict(BT=16, SPLIT=2, X_TILED=True),
+    dict(BT=64, SPLIT=2),
+    dict(BT=32, SPLIT=1),
+    dict(BT=16, SPLIT=2, NS=4),
 ]
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("e,n,k,r", [(48, 4608, 5120, 300), (48, 5120, 2304, 200)])
-def test_moe_gemm_gluon_x_tiled_is_bit_identical(device, gather, e, n, k, r):
-    """``X_TILED`` (with and without ``rows``) stages the same values in the same places as the gathers."""
+def test_moe_gemm_gluon_rows_read_in_place_is_bit_identical(device, gather, e, n, k, r):
+    """Grouped rows read through ``rows`` (tiles copied from the rewrite of the ungathered ``x``) give the
+    bits of the same rows gathered first; ``gather=False``: a second call on a copy of ``x`` (a rewrite made
+    again)."""
     w, s = make_experts(e, n, k, seed=e + n + k, device=device)
     x = make_x(r, k, seed=r, device=device)
     offs = make_offsets(e, r, seed=r + e, device=device, tail=3)
     rows = torch.randperm(r, device=device) if gather else None
-    for base in (dict(BT=64, SPLIT=1), dict(BT=32, SPLIT=2)):
-        got = [
-            grouped_fp4_gemm(x, offs, w, s, "bf16", torch.float32, rows=rows, config={**base, "X_TILED": t})
-            for t in (True, False)
-        ]
-        assert torch.equal(got[0].view(torch.int32), got[1].view(torch.int32))
+    for base in (dict(BT=64, SPLIT=1), dict(BT=32, SPLIT=2), dict(BT=8, SPLIT=1, MAXNREG=96)):
+        got = grouped_fp4_gemm(x, offs, w, s, "bf16", torch.float32, rows=rows, config=base)
+        x_in = x[rows] if gather else x.clone()
+        want = grouped_fp4_gemm(x_in, offs, w, s, "bf16", torch.float32, config=base)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")

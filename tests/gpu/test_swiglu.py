@@ -135,6 +135,20 @@ def test_live_rows_only(live, reference_mode, device):
     assert torch.equal(got[:n].view(torch.int16), want[:n].view(torch.int16))
 
 
+@pytest.mark.parametrize("T,W", [(5, 128), (64, 2304)] if not INTERPRET else [(5, 128), (3, 384)])
+def test_tile_order(T, W, reference_mode, device):
+    """``tile_order=True``: every 128-column tile of the output in the GPU GEMMs' staging order
+    (``quant_gemm.to_tile_order``), the bits of the plain output; every element written."""
+    from deepinfer_vllm.ops.quant_gemm import to_tile_order
+
+    _, gate, up = gate_up(T, W, device, seed=7)
+    w = torch.rand(T, device=device)
+    poison_(torch.empty(T * W, dtype=torch.bfloat16, device=device))
+    got = kernel.swiglu(gate, up, LIMIT, w, tile_order=True)
+    want = to_tile_order(reference(gate, up, LIMIT, w))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_plain_cpu_reference_within_one_ulp(device):
     """Against the default reference (on the CPU: torch's SIMD SiLU for most elements)."""
     T, W = (64, 2048) if not INTERPRET else (16, 512)

@@ -72,3 +72,22 @@ def test_mxfp8_activations_change_the_result(monkeypatch):
     assert torch.equal(plain, mod.partial(x, weights, ids, limit=2.0, grouped=True))
     mx = _experts(ParallelLayout(), seed=3)
     assert not torch.equal(plain, mx.partial(x, weights, ids, limit=2.0, grouped=True))
+
+
+@pytest.mark.parametrize("activations", ["bf16", "mxfp8"])
+@pytest.mark.parametrize(
+    "layout",
+    [ParallelLayout(), ParallelLayout(tp_size=2, tp_rank=1, expert_parallel=True)],
+    ids=["one-rank", "expert-parallel"],
+)
+def test_activation_in_tile_order_is_the_same_sum(layout, activations, monkeypatch):
+    """Where the down projection's kernel stages its input in the GPU GEMMs' tile order (on the H200), the
+    layer has the SwiGLU write it so and tells the GEMM (``act_tile_order``, chosen when built: off on the
+    CPU). Forced on here, through the operators the CPU runs: the same bits as without it."""
+    monkeypatch.setenv("DEEPINFER_GEMM_ACTIVATIONS", activations)
+    mod = _experts(layout, seed=5)
+    assert mod.act_tile_order is False
+    x, weights, ids = _routing(torch.bfloat16, seed=6)
+    plain = mod.partial(x, weights, ids, limit=2.0, grouped=True)
+    mod.act_tile_order = True
+    assert torch.equal(mod.partial(x, weights, ids, limit=2.0, grouped=True), plain)

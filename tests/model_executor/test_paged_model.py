@@ -188,9 +188,11 @@ def test_profiling_run_without_caches_computes_real_activations(harness):
 def test_gemms_sharing_an_input_declare_it(harness, monkeypatch):
     """The layers declare the GEMM inputs their FP8 projections share (``ops.shared_input``), so a
     kernel's preparation of an input (the Gluon GEMMs' rewrite of ``x``) is made once: in each layer
-    ``wkv`` reuses ``wq_a``'s, the indexer's ``wq_b`` the query's ``wq_b``'s, the shared expert's ``w3``
-    ``w1``'s; no other FP8 GEMM reuses one. A probe form stands in for the kernel's (on the CPU the
-    reference runs, which prepares nothing)."""
+    ``wkv`` reuses ``wq_a``'s, the indexer's ``wq_b`` the query's ``wq_b``'s, the shared expert's ``w1``
+    and ``w3`` the routed experts' (whose gate/up GEMM multiplies the same ``x``); no other FP8 GEMM reuses
+    one. A probe form stands in for the kernel's (on the CPU the reference runs, which prepares nothing);
+    the routed experts are probed as they are entered."""
+    from deepinfer_vllm.model_executor.layers.v41_moe import RoutedExperts
     from deepinfer_vllm.model_executor.quantization import V41Fp8LinearMethod
     from deepinfer_vllm.ops.shared_input import input_form
 
@@ -208,14 +210,25 @@ def test_gemms_sharing_an_input_declare_it(harness, monkeypatch):
         calls.append((layer.prefix, len(made) == before))
         return apply(self, layer, x, bias, out_dtype)
 
+    def probed_experts(self, x, *args):
+        before = len(made)
+        input_form(x.reshape(-1, x.shape[-1]), "probe", make)
+        calls.append((self.prefix, len(made) == before))
+        return experts_forward(self, x, *args)
+
+    experts_forward = RoutedExperts.forward
     monkeypatch.setattr(V41Fp8LinearMethod, "apply", probed)
+    monkeypatch.setattr(RoutedExperts, "forward", probed_experts)
+    for name, module in harness.model.named_modules():
+        if isinstance(module, RoutedExperts):
+            module.prefix = name.removeprefix("model.")
     harness.step([("shared-input", _prompt(5, 11))])
     want_hits, want_makes = set(), set()
     for i, block in enumerate(harness.model.layers):
         p = f"layers.{i}"
-        want_makes |= {f"{p}.attn.wq_a", f"{p}.attn.wq_b", f"{p}.attn.wo_b", f"{p}.ffn.shared_experts.w1"}
+        want_makes |= {f"{p}.attn.wq_a", f"{p}.attn.wq_b", f"{p}.attn.wo_b", f"{p}.ffn.experts"}
         want_makes.add(f"{p}.ffn.shared_experts.w2")
-        want_hits |= {f"{p}.attn.wkv", f"{p}.ffn.shared_experts.w3"}
+        want_hits |= {f"{p}.attn.wkv", f"{p}.ffn.shared_experts.w1", f"{p}.ffn.shared_experts.w3"}
         if block.attn.role.ratio > 0 and block.attn.role.is_index_source:
             want_hits.add(f"{p}.attn.indexer.wq_b")
     hits = {prefix for prefix, hit in calls if hit}

@@ -91,18 +91,19 @@ def test_expert_bf16_ptx():
 
 
 def test_expert_pair_ptx():
-    """The Gluon expert GEMM's decode (``moe_gemm_gluon.E2M1_PAIR_PTX``): one word (bytes b0..b3) and
-    the bf16x2 multiplier 2^(s - 1) -> eight bf16 outputs (b0 lo, b0 hi, b1 lo, ...), each code times
-    2^(s - 127), bit for bit, for every pattern of bytes 0-1 (bytes 2-3 random) and every scale byte
-    the kernel takes (0 .. 128)."""
-    x = torch.randint(0, 1 << 32, (1 << 12,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
-    x = torch.cat([x, torch.arange(1 << 16, dtype=torch.int64) * 0x10001])
+    """The Gluon expert GEMM's decode (``moe_gemm_gluon.E2M1_PAIR_PTX``): one word (nibbles n0..n7, n0 the low
+    nibble of byte 0) and the bf16x2 multiplier 2^(s - 1) -> eight bf16 outputs (n0, n4, n1, n5, n2, n6, n3,
+    n7), each code times 2^(s - 127), bit for bit, for every pattern of bytes 0-1 and of bytes 2-3 and every
+    scale byte the kernel takes (0 .. 128)."""
+    pat = torch.arange(1 << 16, dtype=torch.int64)
+    x = torch.cat([pat, pat << 16, pat * 0x10001])
     for s in [0, 1, 2, 64, 100, 119, 121, 126, 127, 128]:
         outs = run_ptx(moe_gemm_gluon.E2M1_PAIR_PTX, 8, [x, torch.tensor(s * 0x00800080 + 0x3F003F00)])
-        for j, out in enumerate(outs):
-            code = ((x >> (4 * j)) & 0xF).to(torch.uint8)  # output j: byte j // 2, nibble j % 2
+        for o, out in enumerate(outs):
+            nibble = o // 2 + 4 * (o % 2)
+            code = ((x >> (4 * nibble)) & 0xF).to(torch.uint8)
             want = (e2m1_decode(code).double() * 2.0 ** (s - 127)).to(torch.bfloat16)
-            assert torch.equal((out & 0xFFFF).to(torch.int16), want.view(torch.int16)), (s, j)
+            assert torch.equal((out & 0xFFFF).to(torch.int16), want.view(torch.int16)), (s, o)
 
 
 def test_dense_e4m3_ptx():
@@ -121,3 +122,92 @@ def test_dense_e4m3_ptx():
             want = (value * 2.0 ** (s - 127)).to(torch.bfloat16).view(torch.int16)
             got = (out & 0xFFFF).to(torch.int16)
             assert torch.equal(got[finite], want[finite]), (s, j)
+
+
+def test_dense_e4m3_tiled_ptx():
+    """The Gluon dense FP8 GEMM's decode for tile-ordered ``x`` (``fp8_gemm_gluon.E4M3_TILED_PTX``): words a,
+    b and the multiplier 2^(s - 7) -> (a0, b0, a1, b1, a2, b2, a3, b3), each value times 2^(s - 127), bit for
+    bit, for every pattern of each byte pair (a_i, b_i) and a spread of scale bytes."""
+    pat = torch.arange(1 << 16, dtype=torch.int64)
+    lo, hi = pat & 0xFF, pat >> 8
+    g = torch.Generator().manual_seed(7)
+    noise = torch.randint(0, 1 << 32, (2, pat.numel()), generator=g, dtype=torch.int64)
+    for s in [0, 1, 3, 64, 120, 127, 128, 131, 134]:
+        for i in range(4):  # byte i of both words takes every pair of values; the other bytes random
+            keep = ~(0xFF << (8 * i)) & 0xFFFFFFFF
+            a = (noise[0] & keep) | (lo << (8 * i))
+            b = (noise[1] & keep) | (hi << (8 * i))
+            mult = torch.tensor(s * 0x00800080 + 0x3C003C00)
+            outs = run_ptx(fp8_gemm_gluon.E4M3_TILED_PTX, 8, [a, b, mult])
+            for o, out in enumerate(outs):
+                word = (a, b)[o % 2]
+                byte = ((word >> (8 * (o // 2))) & 0xFF).to(torch.uint8)
+                value = byte.view(torch.float8_e4m3fn).double()
+                finite = value.isfinite()
+                want = (value * 2.0 ** (s - 127)).to(torch.bfloat16).view(torch.int16)
+                assert torch.equal((out & 0xFFFF).to(torch.int16)[finite], want[finite]), (s, i, o)
+
+
+def _staged_columns() -> torch.Tensor:
+    """The staging order written out from the kernels' docstrings: place ``16s + 8h + 2q + e`` of a 128-column
+    tile holds column ``32q + 8t + j + 4e``, ``t = s // 2``, ``j = 2 (s % 2) + h``."""
+    cols = torch.empty(128, dtype=torch.int64)
+    for s in range(8):
+        for h in range(2):
+            for q in range(4):
+                for e in range(2):
+                    cols[16 * s + 8 * h + 2 * q + e] = 32 * q + 8 * (s // 2) + 2 * (s % 2) + h + 4 * e
+    return cols
+
+
+def test_tile_order_columns_is_the_documented_order():
+    cols = moe_gemm_gluon.tile_order_columns()
+    assert torch.equal(cols, _staged_columns())
+    assert torch.equal(cols.sort().values, torch.arange(128))
+
+
+def _fragment_places(word_of_lane: int, outputs: int) -> list[tuple[int, int, int, int]]:
+    """(lane q, word-group t, output o, logical column) of the kernels' ``_decode_tile`` (expert) and
+    ``_decode_tile_tiled`` (dense) joins: output ``o = 2i + e`` of register ``i`` (``i = 2 i1 + i0``) of group
+    ``t`` is logical column ``32t + 16 i1 + 8 i0 + 2q + e``."""
+    return [
+        (q, t, o, 32 * t + 16 * ((o // 2) // 2) + 8 * ((o // 2) % 2) + 2 * q + o % 2)
+        for q in range(4)
+        for t in range(word_of_lane)
+        for o in range(outputs)
+    ]
+
+
+def test_expert_fragment_matches_staged_x():
+    """One weight row's 128-code tile through the Gluon expert kernel's decode and join (emulated: lane
+    q's words ``4q .. 4q + 3``) lands at the places where the staging order puts the ``x`` column it
+    multiplies: the A fragment equals the decoded row permuted by ``tile_order_columns``, bit for bit."""
+    g = torch.Generator().manual_seed(8)
+    row = torch.randint(0, 256, (64,), generator=g, dtype=torch.int64)  # 64 packed bytes, 128 codes
+    s = 121
+    codes = torch.stack([row & 0xF, row >> 4], -1).reshape(128).to(torch.uint8)  # column 2b: low nibble of b
+    decoded = (e2m1_decode(codes).double() * 2.0 ** (s - 127)).to(torch.bfloat16).view(torch.int16)
+    words = (row.view(16, 4) << torch.tensor([0, 8, 16, 24])).sum(-1)  # word 4q + t
+    frag = torch.empty(128, dtype=torch.int16)
+    outs = run_ptx(moe_gemm_gluon.E2M1_PAIR_PTX, 8, [words, torch.tensor(s * 0x00800080 + 0x3F003F00)])
+    for q, t, o, col in _fragment_places(4, 8):
+        frag[col] = (outs[o][4 * q + t] & 0xFFFF).to(torch.int16)
+    assert torch.equal(frag, decoded[moe_gemm_gluon.tile_order_columns()])
+
+
+def test_dense_tiled_fragment_matches_staged_x():
+    """The same for the dense FP8 kernel with tile-ordered ``x``: lane q's 32 bytes are words ``8q .. 8q +
+    7``, taken in pairs ``(2t, 2t + 1)``."""
+    g = torch.Generator().manual_seed(9)
+    row = torch.randint(0, 256, (128,), generator=g, dtype=torch.int64)
+    row[(row & 0x7F) == 0x7F] = 0x3C  # no NaN codes (a checkpoint holds none)
+    s = 125
+    value = row.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    decoded = (value * 2.0 ** (s - 127)).to(torch.bfloat16).view(torch.int16)
+    words = (row.view(32, 4) << torch.tensor([0, 8, 16, 24])).sum(-1)  # word 8q + w
+    frag = torch.empty(128, dtype=torch.int16)
+    outs = run_ptx(fp8_gemm_gluon.E4M3_TILED_PTX, 8,
+                   [words[0::2], words[1::2], torch.tensor(s * 0x00800080 + 0x3C003C00)])
+    for q, t, o, col in _fragment_places(4, 8):
+        frag[col] = (outs[o][4 * q + t] & 0xFFFF).to(torch.int16)
+    assert torch.equal(frag, decoded[moe_gemm_gluon.tile_order_columns()])

@@ -104,6 +104,33 @@ def test_grouped_fp4_gemm_against_float64(act):
     assert grouped_fp4_gemm(x, offsets.int(), v, s, act).dtype == torch.bfloat16
 
 
+def test_grouped_fp4_gemm_tile_ordered_x():
+    """``x_tile_ordered=True``: ``x``'s columns come in the staging order (``to_tile_order``); the same
+    result, with and without ``rows`` and with the MXFP8 round trip (of ``x`` in its own order).
+    ``from_tile_order`` inverts ``to_tile_order``."""
+    from deepinfer_vllm.ops.quant_gemm import from_tile_order, tile_order_columns, to_tile_order
+
+    cols = tile_order_columns()
+    assert torch.equal(cols.sort().values, torch.arange(128))
+    assert torch.equal(cols // 32, (torch.arange(128) // 2) % 4)  # place p: a column of block (p // 2) % 4
+    e, n, k, r = 3, 32, 256, 12
+    x = _x(r, k, seed=7)
+    assert torch.equal(from_tile_order(to_tile_order(x)), x)
+    assert torch.equal(to_tile_order(x)[:, 128 + 16], x[:, 128 + int(cols[16])])
+    v, s = _fp4_weights(e, n, k, seed=8)
+    offsets = torch.tensor([0, 3, 3, 10], dtype=torch.int64)
+    rows = torch.randperm(r, generator=torch.Generator().manual_seed(9))
+    for act in ("bf16", "mxfp8"):
+        for rw in (None, rows):
+            want = grouped_fp4_gemm(x, offsets, v, s, act, torch.float32, rows=rw)
+            got = grouped_fp4_gemm(
+                to_tile_order(x), offsets, v, s, act, torch.float32, rows=rw, x_tile_ordered=True
+            )
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        to_tile_order(x[:, :64])
+
+
 def test_grouped_fp4_gemm_rejects_bad_offsets():
     v, s = _fp4_weights(2, 32, 64, seed=5)
     x = _x(4, 64, seed=6)

@@ -130,6 +130,25 @@ def test_live_rows(K, scalar_silu):
         assert torch.equal(_bits(got[:live]), _bits(ref[:live]))
 
 
+def test_tile_order(K, scalar_silu):
+    """``tile_order=True`` (the routed experts' activation when the down projection stages it in the GPU
+    GEMMs' order): each 128-column tile of the output in ``quant_gemm.tile_order_columns``'s order, the same
+    bits."""
+    from deepinfer_vllm.ops.quant_gemm import tile_order_columns
+
+    gate, up = _gate_up(7, 384, seed=5)
+    w = torch.rand(7, generator=torch.Generator().manual_seed(6)) * 2.5
+    ref = moe.SwiGlu("cpu", torch.bfloat16).forward_native
+    plain = ref(gate, up, LIMIT, w)
+    cols = (torch.arange(3)[:, None] * 128 + tile_order_columns()[None, :]).flatten()
+    for got in (K.swiglu(gate, up, LIMIT, w, tile_order=True), ref(gate, up, LIMIT, w, tile_order=True)):
+        assert torch.equal(_bits(got), _bits(plain[:, cols]))
+    live = K.swiglu(gate, up, LIMIT, w, live_rows=torch.tensor([3]), tile_order=True)
+    assert torch.equal(_bits(live[:3]), _bits(plain[:3, cols]))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        K.swiglu(gate[:, :96], up[:, :96], LIMIT, tile_order=True)
+
+
 def test_plain_reference_within_one_ulp(K):
     T, W = 16, 512
     gate, up = _gate_up(T, W, seed=11)

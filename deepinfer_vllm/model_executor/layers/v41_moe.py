@@ -142,6 +142,9 @@ class RoutedExperts(nn.Module):
         self.grouping = ExpertGrouping(device, dtype)
         self.expert_sum = ExpertSum(device, dtype)
         self.swiglu = SwiGlu(device, dtype)  # clamped SwiGLU times the routing weight, rounded once
+        # Where the down projection's kernel stages its input in the GPU GEMMs' tile order, the SwiGLU writes
+        # it so (one pass less over the activation): chosen once, from the weight this layer holds.
+        self.act_tile_order = self.grouped and self.grouped_gemm.reads_tile_order(self.w2)
         if self.balanced:
             start = initial_placement(1, n_experts, self.n_physical)
             # Logical expert of each slot (the balancer keeps it current; loading reads it).
@@ -278,10 +281,14 @@ class RoutedExperts(nn.Module):
             x, groups.offsets, self.w13, self.w13_scale, x.dtype, rows=groups.rows, zero_rest=False
         )
         gate, up = gate_up.split(self.width, dim=-1)
-        act = self.swiglu(gate, up, limit, groups.weights, x.dtype, groups.offsets[-1:])
+        tiled = self.act_tile_order
+        act = self.swiglu(gate, up, limit, groups.weights, x.dtype, groups.offsets[-1:], tile_order=tiled)
         pair_order = self.split or self.per_pair
         down_dtype = acc if self.split else x.dtype
-        down = gemm(act, groups.offsets, self.w2, self.w2_scale, down_dtype, zero_rest=pair_order)
+        down = gemm(
+            act, groups.offsets, self.w2, self.w2_scale, down_dtype, zero_rest=pair_order,
+            x_tile_ordered=tiled
+        )
         if pair_order:
             per_pair = groups.in_pair_order(down)
             return per_pair if self.split else per_pair.to(acc)
@@ -385,5 +392,8 @@ class V41MoE(nn.Module):
             token_ids=input_ids,
             image_token_id=self.image_token_id,
         )
-        routed = self.experts(x, weights, ids, self.swiglu_limit)
-        return self.add_shared(routed, self.shared_experts(x, self.swiglu_limit), x.dtype)
+        # The routed experts' gate/up GEMM and the shared expert's w1/w3 multiply x: one preparation of it
+        with shared_inputs(x):
+            routed = self.experts(x, weights, ids, self.swiglu_limit)
+            shared = self.shared_experts(x, self.swiglu_limit)
+        return self.add_shared(routed, shared, x.dtype)

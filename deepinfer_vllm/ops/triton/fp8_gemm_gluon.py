@@ -14,7 +14,7 @@ the values of its own A fragment, so no decoded value goes through shared memory
   its warp's 16), which are exactly one 32x32 scale block, so a lane needs one scale byte per K tile. Byte
   ``b = 4s + 2h + j`` of that run is logical column ``16s + 8h + 2q + j``: the column the A fragment gives the lane
   in k-step ``s``. ``x``'s logical column pair ``P = 8s + 4h + q`` is therefore read from physical pair
-  ``16q + 2s + h`` when it is staged (the expert kernel's map, which has the same 128-column tile).
+  ``16q + 2s + h`` when it is gathered (below 32 batch rows; ``X_TILED`` pairs the columns otherwise, below).
 * A lane's 32 bytes per row arrive by two 16-byte ``cp.async`` into a shared-memory ring that only that lane reads
   back (no barrier for the weights; the ring's 16-byte chunks are XOR-swizzled by row so a warp's reads do not
   collide in banks).
@@ -25,10 +25,16 @@ the values of its own A fragment, so no decoded value goes through shared memory
   bf16 number). 5 instructions per two values. The registers already are the A fragment: Gluon checks at compile
   time that the layout conversion is trivial.
 * ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) go through NVMMA-swizzled shared memory; one barrier
-  per tile hands them to the wgmma. Scale words are read one tile ahead into registers. From 32 batch rows
-  (``X_TILED``) ``x`` is first rewritten in that order (``moe_gemm_gluon.x_tile_order``, one pass) and its
-  tiles are copied 16 bytes at a time: the same values in the same places, the same bits. GEMMs sharing ``x``
-  (``wq_a`` and ``wkv``, ``w1`` and ``w3``, the two ``wq_b``) share one rewrite (``ops.shared_input``).
+  per tile hands them to the wgmma. Scale words are read one tile ahead into registers.
+* From 32 batch rows (``X_TILED``) ``x`` is first rewritten in the expert kernel's staging order
+  (``moe_gemm_gluon.x_tile_order``, one pass; ``tile_order_columns`` gives it) and its tiles are copied 16
+  bytes at a time. That order pairs columns ``c`` and ``c + 4`` (``x``'s natural pairs cannot be kept: the
+  expert kernel's decode is four instructions shorter per word with these pairs), so the weights are paired
+  the same way: ``E4M3_TILED_PTX`` takes words ``2t`` and ``2t + 1`` of a lane's run and pairs byte ``i`` of
+  one with byte ``i`` of the other (columns ``8t + i`` and ``8t + i + 4``), at the same 5 instructions per two
+  values. Other K order, so other bits than the gathered staging (both within the reference's bound). GEMMs
+  sharing ``x`` (``wq_a`` and ``wkv``, ``w1`` and ``w3``, the two ``wq_b``, and the shared expert's
+  ``w1``/``w3`` with the routed experts' ``w13``) share one rewrite (``ops.shared_input``).
 * Above 16 batch rows two warpgroups (128 weight rows) share each ``x`` tile, which otherwise costs as many
   shared-memory bytes as the weights; up to 32 rows the wgmma is issued asynchronously and the next tile's decode
   runs under it (``ASYNC``; at 64 rows the extra barrier this needs costs more than it hides).
@@ -43,7 +49,7 @@ import torch
 import triton
 
 from deepinfer_vllm.ops.shared_input import input_form
-from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE, X_TILED_ROWS, x_tile_order
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE, x_tile_order
 from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_counters, split_k, splitk_reduce
 
@@ -57,20 +63,30 @@ if GLUON_AVAILABLE:
         warpgroup_mma_wait,
     )
 
-__all__ = ["E4M3_PTX", "MAX_SCALE_BYTE", "gluon_fp8_block_gemm", "gluon_fp8_config", "gluon_fp8_supported"]
+__all__ = [
+    "E4M3_PTX",
+    "E4M3_TILED_PTX",
+    "MAX_SCALE_BYTE",
+    "X_TILED_ROWS",
+    "gluon_fp8_block_gemm",
+    "gluon_fp8_config",
+    "gluon_fp8_supported",
+]
 
 # 2^(s - 7) must be a normal bf16 number: s - 7 + 127 <= 254.
 MAX_SCALE_BYTE = 134
 
 
-def _e4m3_pair_ptx(sel: int, o: int) -> str:
-    """Bytes ``sel`` picks of ``$4`` -> ``($2o, $2o+1)`` as bf16 values times 2^-120, then scaled by ``$5``."""
-    return f"""prmt.b32 d, $4, 0, 0x{sel:04X};
+def _e4m3_pair_ptx(o: int, a: str, b: str, sel: int, mult: str) -> str:
+    """The bytes ``sel`` picks of ``a`` and ``b`` (``prmt``) -> ``($2o, $2o+1)``: the two picked into the high bytes
+    of the halves become bf16 values times 2^-120 (what lands in the low bytes is masked off), then scaled by
+    ``mult``."""
+    return f"""prmt.b32 d, {a}, {b}, 0x{sel:04X};
 shr.b32 t, d, 4;
 and.b32 t, t, 0x07F007F0;
 and.b32 d, d, 0x80008000;
 or.b32 t, t, d;
-mul.rn.bf16x2 t, t, $5;
+mul.rn.bf16x2 t, t, {mult};
 mov.b32 {{${2 * o}, ${2 * o + 1}}}, t;
 """
 
@@ -78,10 +94,21 @@ mov.b32 {{${2 * o}, ${2 * o + 1}}}, t;
 # $4: one 32-bit word, e4m3 bytes b0..b3; $5: the bf16x2 multiplier 2^(s - 7) in both halves. Out: $0..$3 bf16 =
 # b0..b3, each value * 2^(s - 127). ``prmt`` selector 0x1404 gives (0, b0, 0, b1) low byte first; 0x3424 (0, b2,
 # 0, b3). 10 instructions for 4 values (12 with the two moves, which the register allocator removes).
-E4M3_PTX = "{\n.reg .b32 d, t;\n" + _e4m3_pair_ptx(0x1404, 0) + _e4m3_pair_ptx(0x3424, 1) + "}"
+E4M3_PTX = "{\n.reg .b32 d, t;\n" + _e4m3_pair_ptx(0, "$4", "0", 0x1404, "$5") + _e4m3_pair_ptx(
+    1, "$4", "0", 0x3424, "$5"
+) + "}"
+
+# For ``x`` in ``x_tile_order``'s order (``X_TILED``): $8, $9: words 2t and 2t + 1 of a lane's run, e4m3 bytes
+# a0..a3 and b0..b3; $10: the multiplier. Out: $0..$7 bf16 = (a0, b0, a1, b1, a2, b2, a3, b3), each value *
+# 2^(s - 127): register i pairs columns 8t + i and 8t + i + 4 of the run, as the expert kernel pairs its codes.
+# Selector (a_i, a_i, b_i, b_i).
+E4M3_TILED_PTX = "{\n.reg .b32 d, t;\n" + "".join(
+    _e4m3_pair_ptx(i, "$8", "$9", i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12), "$10") for i in range(4)
+) + "}"
 
 BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
 BK = 128  # K per tile: 32 bytes = one scale block per lane and row
+X_TILED_ROWS = 32  # from this batch tile on, x is rewritten in the tile order first (module docstring)
 
 
 def gluon_fp8_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int) -> bool:
@@ -129,6 +156,29 @@ if GLUON_AVAILABLE:
         v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [BW, 32 (w = 8q + s), 2 (j), 2 (h)]
         v = gl.reshape(v, [BW, 4, 8, 2, 2])  # [row, q, s, j, h]
         v = gl.permute(v, (0, 2, 4, 1, 3))  # [row, s, h, q, j]: column 16s + 8h + 2q + j
+        v = gl.reshape(v, [BW, 128])
+        return gl.convert_layout(v, DOT_A, assert_trivial=True)
+
+    _TILED_PTX = gl.constexpr(E4M3_TILED_PTX)
+
+    @gluon.jit
+    def _decode_tile_tiled(words, f, BW: gl.constexpr, DOT_A: gl.constexpr):
+        """As ``_decode_tile`` for ``x`` in the tile order: words ``2t`` and ``2t + 1`` of a lane's run give
+        the registers of k-steps ``2t`` and ``2t + 1`` (``E4M3_TILED_PTX``)."""
+        w_even, w_odd = gl.split(gl.reshape(words, [BW, 16, 2]))
+        f_even, f_odd = gl.split(gl.reshape(f, [BW, 16, 2]))
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _TILED_PTX,
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+            [w_even, w_odd, f_even],
+            dtype=(gl.bfloat16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+        # [BW, 16 (4q + t), 2 (e), 2 (i0), 2 (i1)]: register i = 2 i1 + i0 is k-step 2t + i1, half i0
+        v = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+        v = gl.reshape(v, [BW, 4, 4, 2, 2, 2])  # [row, q, t, e, i0, i1]
+        v = gl.permute(v, (0, 2, 5, 4, 1, 3))  # [row, t, i1, i0, q, e]: column 32t + 16i1 + 8i0 + 2q + e
         v = gl.reshape(v, [BW, 128])
         return gl.convert_layout(v, DOT_A, assert_trivial=True)
 
@@ -198,7 +248,8 @@ if GLUON_AVAILABLE:
         w_c = gl.arange(0, 32, layout=gl.SliceLayout(0, WL))
         x_r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
         x_c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
-        # logical pair P = 8s + 4h + q sits at physical pair 16q + 2s + h of the tile (X_TILED: already there)
+        # gathered: logical pair P = 8s + 4h + q is physical pair 16q + 2s + h of the tile (X_TILED: x is
+        # already in the tile order, whose pairs the tiled decode matches)
         if X_TILED:
             x_phys = x_c
         else:
@@ -241,7 +292,10 @@ if GLUON_AVAILABLE:
             words = w_s.index(stage).load(WL)
             sb = (sw[:, None] >> shift[None, :]) & 0xFF
             f = sb * 0x00800080 + 0x3C003C00
-            a = _decode_tile(words, f, BW, DOT_A)
+            if X_TILED:
+                a = _decode_tile_tiled(words, f, BW, DOT_A)
+            else:
+                a = _decode_tile(words, f, BW, DOT_A)
             xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
             if ASYNC:
                 # the previous tile's MMA (which read stage nxt % NS) is done in both warpgroups

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.quant_gemm import from_tile_order
 from deepinfer_vllm.ops.triton.fp8_gemm import (
     ACT_MODES,
     gemm_activations,
@@ -39,17 +40,28 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
     store_tile,
     weight_bytes,
 )
-from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_grouped_fp4_gemm, gluon_moe_supported
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import (
+    gluon_grouped_fp4_gemm,
+    gluon_moe_supported,
+    gluon_weight_supported,
+)
 from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import OUT_KINDS, sm_count, split_k, splitk_reduce, store_out
 
-__all__ = ["check_grouped_args", "check_rows", "grouped_fp4_gemm", "moe_config"]
+__all__ = ["check_grouped_args", "check_rows", "grouped_fp4_gemm", "moe_config", "reads_tile_order"]
 
 
 def _use_gluon(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
     """On sm90 every size goes to the Gluon kernel (``moe_gemm_gluon``: 1.4-1.8x this kernel in decode,
     1.08x at prefill); other devices, the interpreter and unaligned shapes stay here."""
     return out.dtype in (torch.float32, torch.bfloat16) and gluon_moe_supported(x, w)
+
+
+def reads_tile_order(weight: torch.Tensor) -> bool:
+    """Whether ``grouped_fp4_gemm`` with this weight (bf16 or fp32 output, ``x`` with unit column stride) runs
+    the Gluon kernel, which stages ``x`` in ``quant_gemm.tile_order_columns``'s order: a kernel producing
+    ``x`` may then write it in that order (``x_tile_ordered=True``) and save the GEMM its rewrite."""
+    return gluon_weight_supported(weight.view(torch.uint8))
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -385,6 +397,7 @@ def grouped_fp4_gemm(
     *,
     rows: torch.Tensor | None = None,
     zero_rest: bool = True,
+    x_tile_ordered: bool = False,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``[R, N]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` (or, with
@@ -394,8 +407,9 @@ def grouped_fp4_gemm(
     ``offsets[0] == 0``, nondecreasing, ``offsets[-1] <= R``; ``rows`` inside ``x`` (not checked:
     that would synchronise). ``zero_rest=False``: the rows past ``expert_offsets[-1]`` may be left
     unwritten (for a caller that never reads them: other ranks' pairs, whose zeros cost a full
-    write of ``[R - offsets[-1], N]`` at prefill). ``config`` overrides the tile choice (tests,
-    benchmarks)."""
+    write of ``[R - offsets[-1], N]`` at prefill). ``x_tile_ordered``: ``x``'s columns are in the
+    staging order (``reads_tile_order``); where this kernel runs instead of the Gluon one, or with
+    ``act="mxfp8"``, they are put back first. ``config`` overrides the tile choice (tests, benchmarks)."""
     e_count, n, _ = weight.shape
     k = x.shape[1]
     check_grouped_args(x, expert_offsets, weight, scale, act)
@@ -405,11 +419,16 @@ def grouped_fp4_gemm(
     if r == 0:
         return out
     w, s = weight_bytes(weight, scale)
+    if x_tile_ordered and act != "bf16":  # the MXFP8 blocks are columns of x's own order
+        x, x_tile_ordered = from_tile_order(x), False
     xv = gemm_activations(x, act)
     if config is not None and "BT" in config or config is None and _use_gluon(xv, w, out):
         return gluon_grouped_fp4_gemm(
-            xv, expert_offsets, w, s, out, rows=rows, zero_rest=zero_rest, config=config
+            xv, expert_offsets, w, s, out, rows=rows, zero_rest=zero_rest, x_tile_ordered=x_tile_ordered,
+            config=config,
         )
+    if x_tile_ordered:
+        xv = from_tile_order(xv)
     cfg = dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device))
     cfg["BK"] = tile_k(k, cfg["BK"])
     cfg, split, k_per_split = split_k(cfg, k)

@@ -13,23 +13,26 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
 
 * K is reordered inside every 128-column tile, for the weights and ``x`` alike (a sum does not care):
   thread lane ``q = lane % 4`` owns the tile's 16 packed bytes ``16q .. 16q + 15`` of each of its two
-  rows, which are exactly one 32-code scale block. Byte ``b`` of that run holds the codes of logical
-  columns ``2P, 2P + 1`` with ``P = 8 (b // 2) + 4 (b % 2) + q``, the columns the wgmma A fragment
-  gives that lane in k-step ``b // 2``. ``x``'s column pair ``P`` is therefore read from physical pair
-  ``16q + b`` when it is staged in shared memory (4-byte copies).
+  rows, which are exactly one 32-code scale block. Its word ``t`` (bytes ``4t .. 4t + 3``) holds the
+  codes of columns ``32q + 8t + i`` in nibble ``i`` (low nibble first); register ``j`` of the word takes
+  nibbles ``j`` and ``j + 4``, columns ``c, c + 4`` with ``c = 32q + 8t + j``, as the bf16 pair that the
+  wgmma A fragment gives the lane in k-step ``s = 2t + j // 2``, half ``h = j % 2``: logical pair
+  ``P = 8s + 4h + q``. ``x`` is staged in the same order, so it is rewritten once first
+  (``x_tile_order``: one pass, 16-byte loads and stores, the permutation in registers; GEMMs that
+  share ``x`` share the rewrite where the model declares it, ``ops.shared_input``) and its tiles are
+  copied 16 bytes at a time.
 * A lane's bytes arrive by one 16-byte ``cp.async`` per row and tile into a shared-memory ring that
   only that lane reads back (no barrier for the weights), 1 byte of shared traffic each way.
-* The decode (``E2M1_PAIR_PTX``) turns each byte into one bf16x2 register, low nibble in the low
-  half: ``prmt`` puts the byte and the byte shifted by 4 into the two halves, then the integer
-  placement and bf16x2 scale multiply of ``moe_gemm`` (exact for scale bytes <= ``MAX_SCALE_BYTE``).
-  The registers are already the A fragment: the layout conversion is checked trivial at compile time.
-* ``x`` tiles (4-byte ``cp.async`` gathers in the reordered K) and the CTA's scale words (once, at
-  the start) go through shared memory; one barrier per tile hands the ``x`` tile to the wgmma.
-  From 32 token rows a tile (``X_TILED``), ``x`` is first rewritten once in that order
-  (``x_tile_order``: one pass, 16-byte loads and stores, the permutation in registers) and its tiles
-  are copied 16 bytes at a time: the same values in the same shared-memory places, so the same bits.
-  (With few rows the gathers are few and the extra launch costs more than they do.) GEMMs sharing
-  ``x`` share its rewrite where the model declares it (``ops.shared_input``).
+* The decode (``E2M1_PAIR_PTX``) turns each word into four bf16x2 registers, 17 instructions for 8
+  codes: nibbles ``j`` and ``j + 4`` sit 16 bits apart, so one mask (of the word, or of the word
+  shifted by 8) isolates a register's two codes, one IMAD places each as ``s 00000 e1 e0 m 000000``
+  (the value times 2^-126), a mask drops the rest and one bf16x2 multiply by 2^(s - 1) scales both
+  (exact for scale bytes <= ``moe_gemm.MAX_SCALE_BYTE``). The registers are already the A fragment: the
+  layout conversion is checked trivial at compile time. (Design 3 paired the two nibbles of a byte,
+  which kept ``x``'s natural column pairs for 4-byte gathers but needed a ``prmt`` and a shift more
+  per register: 21 instructions for 8 codes; benchmarks/README.md.)
+* ``x`` tiles and the CTA's scale words go through shared memory (the scale words one tile ahead in
+  registers); one barrier per tile hands the ``x`` tile to the wgmma.
 
 Only for K a multiple of 128, N a multiple of 64. sm90 only. Row tiles of up to 64 token rows (the
 wgmma's N); prefill walks several per expert, each decoding the expert's weights again (at 8192
@@ -42,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_vllm.ops.quant_gemm import tile_order_columns
 from deepinfer_vllm.ops.shared_input import input_form
 from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
@@ -57,37 +61,39 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = [
     "E2M1_PAIR_PTX",
     "GLUON_AVAILABLE",
-    "X_TILED_ROWS",
     "gluon_grouped_fp4_gemm",
     "gluon_moe_supported",
+    "gluon_weight_supported",
+    "tile_order_columns",
     "x_tile_order",
 ]
 
 GLUON_AVAILABLE = gluon is not None
 
 
-def _pair_ptx(o: int) -> str:
-    """Byte ``o`` of ``$8`` -> ``($2o, $2o+1)``: ``prmt`` puts the byte in bits 0..7 and ``v``'s (the word
-    shifted right by 4) in bits 16..23; the mask keeps the two codes; one IMAD places each as
-    ``s 00000 e1 e0 m 000000``; the mask drops the rest; one bf16x2 multiply by ``$9`` scales both."""
-    return f"""prmt.b32 u, $8, v, 0x{((4 + o) << 8) | o:04X};
-and.b32 t, u, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
+def _pair_ptx(j: int) -> str:
+    """Register ``j`` of ``$8``: nibbles ``j`` and ``j + 4`` (16 bits apart: of the word for ``j`` < 2, of
+    ``v``, the word shifted right by 8, for ``j`` >= 2) -> ``($2j, $2j+1)``. The mask keeps the two codes;
+    one IMAD places each as ``s 00000 e1 e0 m 000000`` (a code at bit 0 times 2^6 + 2^12, at bit 4 times
+    2^2 + 2^8: the two shifted copies do not overlap, so no carries); the mask drops the rest; one bf16x2
+    multiply by ``$9`` scales both."""
+    src, mask, mult = ("$8", "v")[j // 2], ("0x000F000F", "0x00F000F0")[j % 2], ("0x1040", "0x104")[j % 2]
+    return f"""and.b32 t, {src}, {mask};
+mul.lo.u32 t, t, {mult};
 and.b32 t, t, 0x81C081C0;
 mul.rn.bf16x2 t, t, $9;
-mov.b32 {{${2 * o}, ${2 * o + 1}}}, t;
+mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;
 """
 
 
-# $8: one 32-bit word, packed bytes b0..b3 (8 codes); $9: the bf16x2 multiplier 2^(s - 1) in both
-# halves. Out: $0..$7 bf16 = (b0 lo, b0 hi, b1 lo, b1 hi, ...), each code * 2^(s - 127) (a code placed as
-# ``s 00000 e1 e0 m 000000`` is its value times 2^-126). 21 instructions for 8 codes.
-E2M1_PAIR_PTX = "{\n.reg .b32 v, u, t;\nshr.b32 v, $8, 4;\n" + "".join(_pair_ptx(o) for o in range(4)) + "}"
+# $8: one 32-bit word, 8 codes in nibbles n0..n7 (n0 = low nibble of byte 0); $9: the bf16x2 multiplier
+# 2^(s - 1) in both halves. Out: $0..$7 bf16 = (n0, n4, n1, n5, n2, n6, n3, n7), each code * 2^(s - 127) (a
+# code placed as ``s 00000 e1 e0 m 000000`` is its value times 2^-126). 17 instructions for 8 codes.
+E2M1_PAIR_PTX = "{\n.reg .b32 v, t;\nshr.b32 v, $8, 8;\n" + "".join(_pair_ptx(j) for j in range(4)) + "}"
 
 BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
 BK = 128  # K per tile: 16 packed bytes = one scale block per lane and row
 _PROGRAMS_PER_SM = 16
-X_TILED_ROWS = 32  # from this token tile on, x is rewritten in the tile order first (module docstring)
 # (row, 128-column tile) items per program of x_tile_order: 8 KB in, 8 KB out (H200, 8192 tokens: 147 us for the
 # experts' two rewrites against 231 with one 2 KB program per row and 8 tiles; at 64 rows 2.6 us a call against 1.6).
 _ORDER_ITEMS = 32
@@ -98,47 +104,53 @@ def _x_tile_order_kernel(
     x_ptr, out_ptr, M, n_tiles, stride_x, stride_o, ITEMS: tl.constexpr, PDL: tl.constexpr
 ):
     """Items ``pid * ITEMS ...`` of the ``M * n_tiles`` (row, tile) items, row-major (consecutive items of a
-    contiguous ``x`` are consecutive bytes): ``out[P] = x[16q + 2s + h]`` for ``P = 8s + 4h + q`` in each
-    tile of 64 int32 pairs."""
+    contiguous ``x`` are consecutive bytes): in each tile of 128 values, ``out[16s + 8h + 2q + e]`` is
+    ``x[32q + 8t + j + 4e]`` with ``t = s // 2``, ``j = 2 (s % 2) + h`` (the module docstring's order)."""
     grid_wait(PDL)
     item = tl.program_id(0).to(tl.int64) * ITEMS + tl.arange(0, ITEMS)
     row = item // n_tiles
-    col = (item % n_tiles)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    col = (item % n_tiles)[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = (row < M)[:, None]
     v = tl.load(x_ptr + row[:, None] * stride_x + col, mask=mask, other=0)
-    v = tl.reshape(v, [ITEMS, 4, 8, 2])  # [item, q, s, h]: physical pair 16q + 2s + h
-    v = tl.reshape(tl.permute(v, (0, 2, 3, 1)), [ITEMS, 64])  # [item, s, h, q]: logical pair 8s + 4h + q
+    v = tl.reshape(v, [ITEMS, 4, 4, 2, 2, 2])  # [item, q, t, e, j1, j0]: column 32q + 8t + 4e + 2j1 + j0
+    v = tl.reshape(tl.permute(v, (0, 2, 4, 5, 1, 3)), [ITEMS, 128])  # [item, t, j1, j0, q, e]
     tl.store(out_ptr + row[:, None] * stride_o + col, v, mask=mask)
 
 
 def x_tile_order(x: torch.Tensor) -> torch.Tensor:
-    """bf16 ``x [M, C]`` (``C`` a multiple of 128, unit column stride) -> int32 ``[M, C / 2]`` column pairs
-    with each 128-column tile's pairs in the Gluon kernels' staging order: pair ``P = 8s + 4h + q`` of a tile
-    is ``x``'s pair ``16q + 2s + h`` (module docstring)."""
+    """bf16 ``x [M, C]`` (``C`` a multiple of 128, unit column stride) -> int32 ``[M, C / 2]``: each
+    128-column tile's values in the Gluon kernels' staging order (``tile_order_columns``; module docstring),
+    two a word."""
     m, c = x.shape
     if c % BK or x.stride(1) != 1 or x.dtype != torch.bfloat16:
         raise ValueError(
             f"x_tile_order takes bf16 [M, C] rows with C a multiple of {BK}, got {x.dtype} {tuple(x.shape)}"
         )
-    xi = x.view(torch.int32)
-    out = torch.empty(m, c // 2, dtype=torch.int32, device=x.device)
+    xs = x.view(torch.int16)
+    out = torch.empty(m, c, dtype=torch.int16, device=x.device)
     if m:
         n_tiles = c // BK
         _x_tile_order_kernel[(triton.cdiv(m * n_tiles, _ORDER_ITEMS),)](
-            xi, out, m, n_tiles, xi.stride(0), out.stride(0), ITEMS=_ORDER_ITEMS, num_warps=4,
+            xs, out, m, n_tiles, xs.stride(0), out.stride(0), ITEMS=_ORDER_ITEMS, num_warps=4,
             **pdl_args(x.device),
         )
-    return out
+    return out.view(torch.int32)
 
 
-def gluon_moe_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """sm90 with Gluon, N a multiple of 64, K of 128, 16-byte aligned rows."""
-    if not (GLUON_AVAILABLE and x.is_cuda):
+def gluon_weight_supported(weight: torch.Tensor) -> bool:
+    """The kernel takes this packed weight ``[E, N, K/2]``: sm90 with Gluon, N a multiple of 64, K of 128,
+    16-byte aligned rows."""
+    if not (GLUON_AVAILABLE and weight.is_cuda):
         return False
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if torch.cuda.get_device_capability(weight.device) != (9, 0):
         return False
     _, n, kh = weight.shape
     return n % BM == 0 and (2 * kh) % BK == 0 and weight.stride(1) % 16 == 0 and weight.data_ptr() % 16 == 0
+
+
+def gluon_moe_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``gluon_weight_supported`` and ``x`` with unit column stride."""
+    return x.stride(-1) == 1 and gluon_weight_supported(weight)
 
 
 if GLUON_AVAILABLE:
@@ -203,7 +215,6 @@ if GLUON_AVAILABLE:
         OUT_BF16: gl.constexpr,
         GATHER: gl.constexpr,
         ZERO_REST: gl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
-        X_TILED: gl.constexpr,  # x is ``x_tile_order``'s rewrite: its tiles are copied 16 bytes at a time
         PDL: gl.constexpr,
     ):
         gluon_grid_wait(PDL)
@@ -225,11 +236,8 @@ if GLUON_AVAILABLE:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16]
         )
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-        # x pairs [BT, 64]: every element copied by one thread (X_TILED: four consecutive pairs, 16 bytes)
-        if X_TILED:
-            XL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        else:
-            XL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16] if BT >= 16 else [1, 32], [4, 1], [1, 0])
+        # x words [BT, 64] (``x_tile_order``'s rewrite, two values a word): 16 bytes, four words, a copy
+        XL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
         EL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -261,11 +269,6 @@ if GLUON_AVAILABLE:
         w_c = gl.arange(0, 16, layout=gl.SliceLayout(0, WL))
         x_r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
         x_c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
-        # logical pair P = 8s + 4j + q sits at physical pair 16q + 2s + j of the tile (X_TILED: already there)
-        if X_TILED:
-            x_phys = x_c
-        else:
-            x_phys = 16 * (x_c % 4) + 2 * (x_c // 8) + (x_c // 4) % 2
         shift = 8 * (w_c // 4)  # lane q's scale byte in the row's tile word
         a_r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
         a_c = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
@@ -289,7 +292,7 @@ if GLUON_AVAILABLE:
                     tok_x = tok
                 x_mask = (tok < row_end)[:, None] & (x_c < 64)[None, :]
                 x_pair_ptr = (
-                    x_ptr + tok_x.to(gl.int64)[:, None] * stride_xm + (kt_lo * (_BK // 2) + x_phys)[None, :]
+                    x_ptr + tok_x.to(gl.int64)[:, None] * stride_xm + (kt_lo * (_BK // 2) + x_c)[None, :]
                 )
                 # each row's scale word of a K tile (lane q takes byte q), one tile ahead in registers
                 s_row_ptr = (
@@ -376,11 +379,13 @@ def gluon_grouped_fp4_gemm(
     *,
     rows: torch.Tensor | None = None,
     zero_rest: bool = True,
+    x_tile_ordered: bool = False,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (or [T, K] with ``rows [R]``, the row
-    each grouped row reads; rows 4-byte aligned), ``w`` uint8 [E, N, K/2], ``s`` uint8 [E, N, K/32] (the checked
-    arguments of ``moe_gemm.grouped_fp4_gemm``)."""
+    each grouped row reads), ``w`` uint8 [E, N, K/2], ``s`` uint8 [E, N, K/32] (the checked
+    arguments of ``moe_gemm.grouped_fp4_gemm``). ``x_tile_ordered``: ``x`` is already in the staging order
+    (written so by its producer: no rewrite)."""
     e_count, n, _ = w.shape
     r, k = out.shape[0], x.shape[1]
     sms = sm_count(x.device)
@@ -392,8 +397,12 @@ def gluon_grouped_fp4_gemm(
     n_tiles = n // BM
     row_tiles = min(r, triton.cdiv(r, bt) + e_count + 1)
     grid_m = cfg.get("GRID_M") or max(1, min(row_tiles, _PROGRAMS_PER_SM * sms // (n_tiles * split)))
-    x_tiled = cfg.get("X_TILED", bt >= X_TILED_ROWS)
-    xi = input_form(x, "tile_order", x_tile_order) if x_tiled else x.view(torch.int32)
+    if x_tile_ordered:
+        if x.stride(0) % 8 or x.stride(1) != 1 or x.data_ptr() % 16:
+            raise ValueError("tile-ordered x needs 16-byte aligned rows")
+        xi = x.view(torch.int32)
+    else:
+        xi = input_form(x, "tile_order", x_tile_order)
     wi = w.view(torch.int32)
     si = s.view(torch.int32)
     _moe_gemm_gluon_kernel[(n_tiles, grid_m, split)](
@@ -422,7 +431,6 @@ def gluon_grouped_fp4_gemm(
         OUT_BF16=out.dtype == torch.bfloat16,
         GATHER=rows is not None,
         ZERO_REST=zero_rest,
-        X_TILED=x_tiled,
         num_warps=4,
         maxnreg=cfg.get("MAXNREG"),
         **pdl_args(xi.device),

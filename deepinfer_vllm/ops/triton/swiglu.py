@@ -107,6 +107,7 @@ def _swiglu_kernel(
     IN_BF16: tl.constexpr,
     OUT_BF16: tl.constexpr,
     HAS_LIVE: tl.constexpr,  # rows at or past *live_ptr are not computed
+    TILE_ORDER: tl.constexpr,  # columns stored in the GPU GEMMs' staging order (W a multiple of 128)
     PDL: tl.constexpr,
 ):
     """Rows ``pid0 * BLOCK_R ...``, columns ``pid1 * BLOCK_W ...`` of the activation."""
@@ -130,6 +131,12 @@ def _swiglu_kernel(
     a = tl.div_rn(g, 1.0 + _exp(-g)) * u
     if HAS_WEIGHT:
         a = a * tl.load(w_ptr + r.to(tl.int64) * stride_w, mask=r < N, other=0.0)[:, None]
+    if TILE_ORDER:
+        # column 32q + 8t + 4e + 2j1 + j0 of a 128-column tile goes to place 32t + 16j1 + 8j0 + 2q + e
+        # (``quant_gemm.tile_order_columns``, inverted)
+        cc = cols % 128
+        place = 32 * ((cc // 8) % 4) + 16 * ((cc // 2) % 2) + 8 * (cc % 2) + 2 * (cc // 32) + (cc // 4) % 2
+        cols = cols - cc + place
     tl.store(out_ptr + rows * W + cols, _narrow(a, OUT_BF16).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -140,6 +147,7 @@ def swiglu(
     row_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     live_rows: torch.Tensor | None = None,
+    tile_order: bool = False,
 ) -> torch.Tensor:
     """``(swiglu_clamped(gate, up, limit) * row_weight[..., None]).to(out_dtype)`` in one launch.
 
@@ -147,13 +155,17 @@ def swiglu(
     strides; ``row_weight``: ``[...]`` (one per row; cast to fp32 first, as the reference does) or
     None; ``limit=None``: no clamp. Returns a new contiguous tensor of ``out_dtype``
     (``OUT_DTYPES``). ``live_rows``: a one-element integer tensor; rows (of the 2-D view) at or past
-    its value are not computed and their output is left unwritten."""
+    its value are not computed and their output is left unwritten. ``tile_order``: each 128-column tile
+    of the output in the GPU GEMMs' staging order (``quant_gemm.to_tile_order`` of the result; ``W`` a
+    multiple of 128), so the grouped GEMM that reads it needs no rewrite."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
     if gate.dtype != up.dtype or gate.dtype not in IN_DTYPES or out_dtype not in OUT_DTYPES:
         raise ValueError(f"unsupported dtypes: gate {gate.dtype}, up {up.dtype}, out {out_dtype}")
     shape = gate.shape
     W = shape[-1] if gate.dim() else 1
+    if tile_order and W % 128:
+        raise ValueError(f"the tile order needs a multiple of 128 columns, got {W}")
     g2 = gate.reshape(-1, W)  # a view for the 2-D halves the layers pass
     u2 = up.reshape(-1, W)
     N = g2.shape[0]
@@ -188,6 +200,7 @@ def swiglu(
         IN_BF16=gate.dtype == torch.bfloat16,
         OUT_BF16=out_dtype == torch.bfloat16,
         HAS_LIVE=live_rows is not None,
+        TILE_ORDER=tile_order,
         num_warps=_WARPS,
         **_LAUNCH,
         **pdl_args(g2.device),
