@@ -32,7 +32,9 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
   which kept ``x``'s natural column pairs for 4-byte gathers but needed a ``prmt`` and a shift more
   per register: 21 instructions for 8 codes; benchmarks/README.md.)
 * ``x`` tiles and the CTA's scale words go through shared memory (the scale words one tile ahead in
-  registers); one barrier per tile hands the ``x`` tile to the wgmma.
+  registers); one barrier per tile hands the ``x`` tile to the wgmma. ``ASYNC`` (a config, off by default
+  until measured) issues the wgmma asynchronously so the next tile's decode runs under it, as the dense
+  kernel does.
 
 Only for K a multiple of 128, N a multiple of 64. sm90 only. Row tiles of up to 64 token rows (the
 wgmma's N); prefill walks several per expert, each decoding the expert's weights again (at 8192
@@ -54,7 +56,11 @@ try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -212,6 +218,7 @@ if GLUON_AVAILABLE:
         BT: gl.constexpr,  # token rows per tile (wgmma N)
         NS: gl.constexpr,  # ring stages
         SPLIT: gl.constexpr,
+        ASYNC: gl.constexpr,  # the wgmma runs under the next tile's decode (the dense kernel's ``ASYNC``)
         OUT_BF16: gl.constexpr,
         GATHER: gl.constexpr,
         ZERO_REST: gl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
@@ -305,6 +312,7 @@ if GLUON_AVAILABLE:
                     else:
                         async_copy.commit_group()
                 acc = gl.zeros([64, BT], gl.float32, ACC)
+                a_prev = gl.zeros([64, 128], gl.bfloat16, DOT_A)
                 sw_next = gl.load(s_row_ptr)
                 for kt in range(n_kt):
                     stage = kt % NS
@@ -312,10 +320,11 @@ if GLUON_AVAILABLE:
                     fence_async_shared()
                     gl.thread_barrier()
                     nxt = kt + NS - 1
-                    if nxt < n_kt:
-                        _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
-                    else:
-                        async_copy.commit_group()
+                    if not ASYNC:
+                        if nxt < n_kt:
+                            _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
+                        else:
+                            async_copy.commit_group()
                     sw = sw_next
                     sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
                     words = w_s.index(stage).load(WL)
@@ -323,7 +332,21 @@ if GLUON_AVAILABLE:
                     f = sb * 0x00800080 + 0x3F003F00
                     a = _decode_tile(words, f, DOT_A)
                     xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
-                    acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+                    if ASYNC:
+                        # the previous tile's MMA (which read stage nxt % NS) is done in every warp
+                        acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+                        gl.thread_barrier()
+                        if nxt < n_kt:
+                            _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
+                        else:
+                            async_copy.commit_group()
+                        acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
+                        # in flight while the next tile decodes
+                        acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])
+                    else:
+                        acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+                if ASYNC:
+                    acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
                 # epilogue: acc[n, token]
                 omask = (row0 + a_c < row_end)[None, :] & (a_r < 64)[:, None]
                 if SPLIT > 1:
@@ -428,6 +451,7 @@ def gluon_grouped_fp4_gemm(
         BT=bt,
         NS=ns,
         SPLIT=split,
+        ASYNC=cfg.get("ASYNC", False),
         OUT_BF16=out.dtype == torch.bfloat16,
         GATHER=rows is not None,
         ZERO_REST=zero_rest,
