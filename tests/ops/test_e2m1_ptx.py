@@ -132,7 +132,7 @@ def test_dense_e4m3_tiled_ptx():
     lo, hi = pat & 0xFF, pat >> 8
     g = torch.Generator().manual_seed(7)
     noise = torch.randint(0, 1 << 32, (2, pat.numel()), generator=g, dtype=torch.int64)
-    for s in [0, 1, 3, 64, 120, 127, 128, 131, 134]:
+    for s in [0, 3, 120, 127, 134]:  # the scale multiply is test_dense_e4m3_ptx's (every scale case there)
         for i in range(4):  # byte i of both words takes every pair of values; the other bytes random
             keep = ~(0xFF << (8 * i)) & 0xFFFFFFFF
             a = (noise[0] & keep) | (lo << (8 * i))
