@@ -199,13 +199,15 @@ def make_checkpoint(
     include_vision: bool = True,
     include_dspark: bool = True,
     config_only: bool = False,
+    draft_steps: int | None = None,
 ) -> Path:
     """Write a complete random-weight checkpoint directory and return its path.
 
     ``config`` (nested or flat config.json dict) takes precedence over
     ``preset`` (default ``tiny``). ``include_vision=False`` / ``include_dspark=False``
     also switch the tower / DSpark stages off in the written config, so the
-    directory is self-consistent.
+    directory is self-consistent. ``draft_steps``: training steps of a trained-draft
+    preset's draft (default: ``train_dspark.Recipe``'s, the documented recipe).
     """
     out = Path(out_dir)
     if config_only:
@@ -232,7 +234,8 @@ def make_checkpoint(
         _write_generation_and_config(out, arch, cfg)
         from deepinfer_vllm.tools.train_dspark import Recipe, train_draft
 
-        train_draft(out, Recipe(seed=seed), log=lambda line: print(line, file=sys.stderr))
+        recipe = Recipe(seed=seed) if draft_steps is None else Recipe(seed=seed, steps=draft_steps)
+        train_draft(out, recipe, log=lambda line: print(line, file=sys.stderr))
     _write_generation_and_config(out, arch, cfg)
     return out
 
