@@ -167,9 +167,9 @@ def test_tile_order_columns_is_the_documented_order():
 
 
 def _fragment_places(word_of_lane: int, outputs: int) -> list[tuple[int, int, int, int]]:
-    """(lane q, word-group t, output o, logical column) of the kernels' ``_decode_tile`` (expert) and
-    ``_decode_tile_tiled`` (dense) joins: output ``o = 2i + e`` of register ``i`` (``i = 2 i1 + i0``) of group
-    ``t`` is logical column ``32t + 16 i1 + 8 i0 + 2q + e``."""
+    """(lane q, word-group t, output o, logical column) of ``moe_gemm_gluon.place_fragment``, the join both
+    kernels' decodes (expert, dense tiled) end with: output ``o = 2i + e`` of register ``i`` (``i = 2 i1 + i0``)
+    of group ``t`` is logical column ``32t + 16 i1 + 8 i0 + 2q + e``."""
     return [
         (q, t, o, 32 * t + 16 * ((o // 2) // 2) + 8 * ((o // 2) % 2) + 2 * q + o % 2)
         for q in range(4)

@@ -57,11 +57,9 @@ if GLUON_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+
+    from deepinfer_vllm.ops.triton.moe_gemm_gluon import issue_tile, mma_tile, place_fragment, wait_tile
 
 __all__ = [
     "E4M3_PTX",
@@ -166,7 +164,7 @@ if GLUON_AVAILABLE:
         """As ``_decode_tile`` for ``x`` in the tile order: words ``2t`` and ``2t + 1`` of a lane's run give
         the registers of k-steps ``2t`` and ``2t + 1`` (``E4M3_TILED_PTX``)."""
         w_even, w_odd = gl.split(gl.reshape(words, [BW, 16, 2]))
-        f_even, f_odd = gl.split(gl.reshape(f, [BW, 16, 2]))
+        f_even, _ = gl.split(gl.reshape(f, [BW, 16, 2]))  # a word pair shares its block row's scale
         o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
             _TILED_PTX,
             "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
@@ -175,19 +173,8 @@ if GLUON_AVAILABLE:
             is_pure=True,
             pack=1,
         )
-        # [BW, 16 (4q + t), 2 (e), 2 (i0), 2 (i1)]: register i = 2 i1 + i0 is k-step 2t + i1, half i0
-        v = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
-        v = gl.reshape(v, [BW, 4, 4, 2, 2, 2])  # [row, q, t, e, i0, i1]
-        v = gl.permute(v, (0, 2, 5, 4, 1, 3))  # [row, t, i1, i0, q, e]: column 32t + 16i1 + 8i0 + 2q + e
-        v = gl.reshape(v, [BW, 128])
-        return gl.convert_layout(v, DOT_A, assert_trivial=True)
-
-    @gluon.jit
-    def _issue_tile(w_s, x_s, stage, w_row_ptr, x_pair_ptr, x_mask, kt):
-        """cp.async of K tile ``kt`` (this CTA's numbering) into ring stage ``stage``."""
-        async_copy.async_copy_global_to_shared(w_s.index(stage), w_row_ptr + kt * (_BK // 4))
-        async_copy.async_copy_global_to_shared(x_s.index(stage), x_pair_ptr + kt * (_BK // 2), mask=x_mask)
-        async_copy.commit_group()
+        # register i = 2 i1 + i0 of word 4q + t is k-step 2t + i1, half i0: the expert decode's places
+        return place_fragment(o0, o1, o2, o3, o4, o5, o6, o7, BW, DOT_A)
 
     @gluon.jit
     def _fp8_gemm_gluon_kernel(
@@ -269,24 +256,16 @@ if GLUON_AVAILABLE:
         s_row_ptr = ws_ptr + ((n0 + w_r) // 32).to(gl.int64) * stride_wsn + kt_lo
 
         for i in gl.static_range(NS - 1):
-            if i < n_kt:
-                _issue_tile(w_s, x_s, i, w_row_ptr, x_pair_ptr, x_mask, i)
-            else:
-                async_copy.commit_group()
+            issue_tile(w_s, x_s, i, n_kt, NS, w_row_ptr, _BK // 4, x_pair_ptr, x_mask)
         acc = gl.zeros([BW, BT], gl.float32, ACC)
         a_prev = gl.zeros([BW, 128], gl.bfloat16, DOT_A)
         sw_next = gl.load(s_row_ptr)
         for kt in range(n_kt):
             stage = kt % NS
-            async_copy.wait_group(NS - 2)
-            fence_async_shared()
-            gl.thread_barrier()
+            wait_tile(NS)
             nxt = kt + NS - 1
             if not ASYNC:
-                if nxt < n_kt:
-                    _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
-                else:
-                    async_copy.commit_group()
+                issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 4, x_pair_ptr, x_mask)
             sw = sw_next
             sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
             words = w_s.index(stage).load(WL)
@@ -297,18 +276,9 @@ if GLUON_AVAILABLE:
             else:
                 a = _decode_tile(words, f, BW, DOT_A)
             xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
-            if ASYNC:
-                # the previous tile's MMA (which read stage nxt % NS) is done in both warpgroups
-                acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
-                gl.thread_barrier()
-                if nxt < n_kt:
-                    _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
-                else:
-                    async_copy.commit_group()
-                acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
-                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])  # in flight while the next tile decodes
-            else:
-                acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+            acc, a_prev = mma_tile(
+                a, xb, acc, a_prev, w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 4, x_pair_ptr, x_mask, ASYNC
+            )
         if ASYNC:
             acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)

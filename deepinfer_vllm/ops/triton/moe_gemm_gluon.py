@@ -180,19 +180,52 @@ if GLUON_AVAILABLE:
             is_pure=True,
             pack=1,
         )
-        # [64, 16 (w = 4q + t), 2 (nibble e), 2 (byte bit 0), 2 (byte bit 1)]
+        return place_fragment(o0, o1, o2, o3, o4, o5, o6, o7, 64, DOT_A)
+
+    # Shared with the dense FP8 kernel (``fp8_gemm_gluon``), whose tiled decode fills the same places.
+
+    @gluon.jit
+    def place_fragment(o0, o1, o2, o3, o4, o5, o6, o7, R: gl.constexpr, DOT_A: gl.constexpr):
+        """A decode's eight bf16 outputs, each ``[R, 16]`` (word ``w = 4q + t`` of lane ``q``'s run), output
+        ``4 i1 + 2 i0 + e`` the values of k-step ``2t + i1``, half ``i0``, element ``e`` -> the ``[R, 128]``
+        wgmma A fragment (the layout conversion checked trivial)."""
         v = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
-        v = gl.reshape(v, [64, 4, 4, 2, 2, 2])  # [row, q, t, e, o0, o1]
-        v = gl.permute(v, (0, 2, 5, 4, 1, 3))  # [row, t, o1, o0, q, e]: column 32t + 16o1 + 8o0 + 2q + e
-        v = gl.reshape(v, [64, 128])
+        v = gl.reshape(v, [R, 4, 4, 2, 2, 2])  # [row, q, t, e, i0, i1]
+        v = gl.permute(v, (0, 2, 5, 4, 1, 3))  # [row, t, i1, i0, q, e]: column 32t + 16i1 + 8i0 + 2q + e
+        v = gl.reshape(v, [R, 128])
         return gl.convert_layout(v, DOT_A, assert_trivial=True)
 
     @gluon.jit
-    def _issue_tile(w_s, x_s, stage, w_row_ptr, x_pair_ptr, x_mask, kt):
-        """cp.async of K tile ``kt`` (this CTA's numbering) into ring stage ``stage``."""
-        async_copy.async_copy_global_to_shared(w_s.index(stage), w_row_ptr + kt * (_BK // 8))
-        async_copy.async_copy_global_to_shared(x_s.index(stage), x_pair_ptr + kt * (_BK // 2), mask=x_mask)
+    def issue_tile(w_s, x_s, kt, n_kt, NS: gl.constexpr, w_row_ptr, W_STEP: gl.constexpr, x_pair_ptr, x_mask):
+        """cp.async of K tile ``kt`` (this CTA's numbering; ``W_STEP`` weight words a row and tile) into ring
+        stage ``kt % NS``, one commit group; past the last tile an empty group, so every wait counts alike."""
+        if kt < n_kt:
+            async_copy.async_copy_global_to_shared(w_s.index(kt % NS), w_row_ptr + kt * W_STEP)
+            async_copy.async_copy_global_to_shared(x_s.index(kt % NS), x_pair_ptr + kt * (_BK // 2), mask=x_mask)
         async_copy.commit_group()
+
+    @gluon.jit
+    def wait_tile(NS: gl.constexpr):
+        """The ring's oldest tile has landed and is visible to every warp and to the wgmma."""
+        async_copy.wait_group(NS - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def mma_tile(a, xb, acc, a_prev, w_s, x_s, nxt, n_kt, NS: gl.constexpr, w_row_ptr, W_STEP: gl.constexpr,
+                 x_pair_ptr, x_mask, ASYNC: gl.constexpr):
+        """``acc += a @ xb^T``. ``ASYNC``: the wgmma stays in flight under the next tile's decode; tile ``nxt`` is
+        issued here, once the previous wgmma (which read its stage) is done in every warp (else the caller
+        issued it before the decode). Returns ``acc`` and the A operand still in flight."""
+        if ASYNC:
+            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+            gl.thread_barrier()
+            issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, W_STEP, x_pair_ptr, x_mask)
+            acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])
+        else:
+            acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+        return acc, a_prev
 
     @gluon.jit
     def _moe_gemm_gluon_kernel(
@@ -307,24 +340,16 @@ if GLUON_AVAILABLE:
                 )
                 gl.thread_barrier()  # the previous tile's readers are done with every buffer
                 for i in gl.static_range(NS - 1):
-                    if i < n_kt:
-                        _issue_tile(w_s, x_s, i, w_row_ptr, x_pair_ptr, x_mask, i)
-                    else:
-                        async_copy.commit_group()
+                    issue_tile(w_s, x_s, i, n_kt, NS, w_row_ptr, _BK // 8, x_pair_ptr, x_mask)
                 acc = gl.zeros([64, BT], gl.float32, ACC)
                 a_prev = gl.zeros([64, 128], gl.bfloat16, DOT_A)
                 sw_next = gl.load(s_row_ptr)
                 for kt in range(n_kt):
                     stage = kt % NS
-                    async_copy.wait_group(NS - 2)
-                    fence_async_shared()
-                    gl.thread_barrier()
+                    wait_tile(NS)
                     nxt = kt + NS - 1
                     if not ASYNC:
-                        if nxt < n_kt:
-                            _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
-                        else:
-                            async_copy.commit_group()
+                        issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 8, x_pair_ptr, x_mask)
                     sw = sw_next
                     sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
                     words = w_s.index(stage).load(WL)
@@ -332,19 +357,9 @@ if GLUON_AVAILABLE:
                     f = sb * 0x00800080 + 0x3F003F00
                     a = _decode_tile(words, f, DOT_A)
                     xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
-                    if ASYNC:
-                        # the previous tile's MMA (which read stage nxt % NS) is done in every warp
-                        acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
-                        gl.thread_barrier()
-                        if nxt < n_kt:
-                            _issue_tile(w_s, x_s, nxt % NS, w_row_ptr, x_pair_ptr, x_mask, nxt)
-                        else:
-                            async_copy.commit_group()
-                        acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
-                        # in flight while the next tile decodes
-                        acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])
-                    else:
-                        acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+                    acc, a_prev = mma_tile(
+                        a, xb, acc, a_prev, w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 8, x_pair_ptr, x_mask, ASYNC
+                    )
                 if ASYNC:
                     acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
                 # epilogue: acc[n, token]
