@@ -211,6 +211,8 @@ MID_M = (128, 256, 512)
 
 def run_mid(ceilings: Ceilings):
     """M = 128..512 (module docstring). A generator: rows print as measured."""
+    from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_config, gluon_fp8_wide_gemm
+
     torch.manual_seed(0)
     for n, k in SHAPES:
         w, s = weight(n, k)
@@ -225,8 +227,13 @@ def run_mid(ceilings: Ceilings):
                 ("gluon BT=64 x tiled", lambda: fp8_block_gemm(x, w, s, config=dict(g64, X_TILED=True))),
                 ("gluon BT=64 x gathered", lambda: fp8_block_gemm(x, w, s, config=dict(g64, X_TILED=False))),
                 ("gluon BT=128", lambda: fp8_block_gemm(x, w, s, config=dict(BT=128, WG=2, NS=2))),
+                ("gluon wide", lambda: gluon_fp8_wide_gemm(x, wu, su, out)),
                 ("decoded bf16 + cuBLAS", lambda: _vendor_gemm(x, wu, su, out, 1)),
             ]
+            ref = _vendor_gemm(x, wu, su, torch.empty_like(out), 1).float()
+            got = gluon_fp8_wide_gemm(x, wu, su, torch.empty_like(out)).float()
+            print(f"# wide M={m} N={n} K={k} {gluon_fp8_wide_config(m, n, k)}: max |wide - cuBLAS| "
+                  f"{(got - ref).abs().max().item():.3g} of max |out| {ref.abs().max().item():.3g}", flush=True)
             for label, fn in variants:
                 triton_default = label == "default" and m < VENDOR_ROWS
                 cfg = f" ({_cfg_name(pick_config(m, n, k))})" if triton_default else ""

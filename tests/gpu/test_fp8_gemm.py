@@ -9,7 +9,8 @@
   run-to-run determinism; CUDA-graph capture and replay equal to eager bit for bit.
 * The Gluon decode kernel (``fp8_gemm_gluon``, M <= 64 on sm90, forced by configs with ``BT``): every batch
   tile, ring depth and split, every e4m3 byte and scale byte it takes (the refusal of larger scale bytes
-  at load: ``tests/ops/test_quant_gemm.py``).
+  at load: ``tests/ops/test_quant_gemm.py``). The wide kernel (``fp8_gemm_wide_gluon``, configs with ``WGS``)
+  likewise, and grouped.
 """
 
 from __future__ import annotations
@@ -282,27 +283,85 @@ def test_gluon_fp8_gemm_matches_reference(device, act, out_dtype, cfg, m, n, k):
     check(got, ref, quant_gemm.activations(x, act), quant.dequant_fp8_block(w, s))
 
 
-@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
-@pytest.mark.parametrize("m", [1, 64])
-def test_gluon_fp8_gemm_every_byte(device, m):
-    """Every e4m3 byte but the NaNs and every scale byte 0 .. MAX_SCALE_BYTE (one per 32x32 tile) through the
-    decode kernel, against the reference."""
+def every_byte_weight(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [1152, 1024] weight holding every e4m3 byte but the NaNs (all 256 in its first two rows) and every scale
+    byte 0 .. MAX_SCALE_BYTE (one per 32x32 tile: 1152 tiles >= 135 scale bytes)."""
     from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE
 
-    n, k = 1152, 1024  # 36 x 32 = 1152 scale tiles >= 135 scale bytes
+    n, k = 1152, 1024
     g = torch.Generator().manual_seed(11)
     wb = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
     wb[:2] = torch.arange(256, dtype=torch.uint8).repeat(2, k // 256)
     wb[(wb & 0x7F) == 0x7F] = 0x3C  # no NaN
     sb = (torch.arange(n // 32 * (k // 32)) % (MAX_SCALE_BYTE + 1)).to(torch.uint8).view(n // 32, k // 32)
-    w = wb.view(torch.float8_e4m3fn).to(device)
-    s = sb.view(torch.float8_e8m0fnu).to(device)
-    x = make_x(m, k, seed=12, device=device)
+    return wb.view(torch.float8_e4m3fn).to(device), sb.view(torch.float8_e8m0fnu).to(device)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize("m", [1, 64])
+def test_gluon_fp8_gemm_every_byte(device, m):
+    """Every e4m3 byte but the NaNs and every scale byte 0 .. MAX_SCALE_BYTE (one per 32x32 tile) through the
+    decode kernel, against the reference."""
+    w, s = every_byte_weight(device)
+    x = make_x(m, w.shape[1], seed=12, device=device)
     for out_dtype in (torch.float32, torch.bfloat16):
         cfg = dict(BT=8, SPLIT=2) if m == 1 else dict(BT=64, WG=2, NS=3, SPLIT=2)
         got = fp8_block_gemm(x, w, s, "bf16", out_dtype, config=cfg)
         ref = quant_gemm.fp8_block_gemm(x, w, s, "bf16", torch.float32)
         check(got, ref, x, quant.dequant_fp8_block(w, s))
+
+
+WIDE_CONFIGS = [
+    dict(WGS=4, NS=2, SPLIT=1),
+    dict(WGS=4, NS=2, SPLIT=3),
+    dict(WGS=2, NS=2, SPLIT=2),
+    dict(WGS=2, NS=2, SPLIT=1),
+    dict(WGS=1, NS=3, SPLIT=1),
+]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", range(len(WIDE_CONFIGS)))
+@pytest.mark.parametrize("m,n,k", [(65, 128, 384), (200, 4608, 5120), (256, 1792, 5120), (300, 5120, 8192)])
+def test_gluon_fp8_wide_matches_reference(device, act, out_dtype, cfg, m, n, k):
+    """The wide kernel of ``fp8_gemm_wide_gluon`` (forced by a config with ``WGS``): two and four warpgroups of
+    batch rows, ring depths and K splits, rows past M masked, several row tiles."""
+    w, s = make_weight(n, k, seed=n + k, device=device)
+    x = make_x(m, k, seed=m + cfg, device=device)
+    got = fp8_block_gemm(x, w, s, act, out_dtype, config=WIDE_CONFIGS[cfg])
+    ref = quant_gemm.fp8_block_gemm(x, w, s, act, torch.float32)
+    assert got.shape == (m, n) and got.dtype == out_dtype
+    check(got, ref, quant_gemm.activations(x, act), quant.dequant_fp8_block(w, s))
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+def test_gluon_fp8_wide_grouped_and_every_byte(device):
+    """The grouped output projection's layout (two groups: each group's columns of ``x`` times its rows of W), and
+    every e4m3 byte but the NaNs under every scale byte 0 .. MAX_SCALE_BYTE, against the reference; the default
+    configuration bit for bit run to run."""
+    from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_config
+
+    groups, n_group, k = 2, 1024, 512
+    w, s = make_weight(groups * n_group, k, seed=3, device=device)
+    x = make_x(256, groups * k, seed=4, device=device)
+    got = fp8_block_gemm(x, w, s, "bf16", torch.bfloat16, groups=groups, config=WIDE_CONFIGS[1])
+    for g in range(groups):
+        rows, cols = slice(g * n_group, (g + 1) * n_group), slice(g * k, (g + 1) * k)
+        w_g, s_g = w[rows], s[g * n_group // 32 : (g + 1) * n_group // 32]
+        ref = quant_gemm.fp8_block_gemm(x[:, cols], w_g, s_g, "bf16", torch.float32)
+        check(got[:, rows], ref, x[:, cols], quant.dequant_fp8_block(w_g, s_g))
+
+    w, s = every_byte_weight(device)
+    n, k = w.shape
+    x = make_x(192, k, seed=12, device=device)
+    cfg = gluon_fp8_wide_config(192, n, k)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = fp8_block_gemm(x, w, s, "bf16", out_dtype, config=cfg)
+        ref = quant_gemm.fp8_block_gemm(x, w, s, "bf16", torch.float32)
+        check(got, ref, x, quant.dequant_fp8_block(w, s))
+        assert torch.equal(got, fp8_block_gemm(x, w, s, "bf16", out_dtype, config=cfg))
 
 
 def test_fp8_block_decode_is_exact(device):

@@ -104,7 +104,7 @@ def test_every_kernel_is_covered():
         assert {k for k in jit if k.endswith("_kernel")} == launched, path.name
         counts[path.name] = len(launched)
     assert sum(counts.values()) >= 30, counts
-    main = ("fp8_gemm", "fp8_gemm_gluon", "moe_gemm", "moe_gemm_gluon", "routing", "mhc", "indexer", "topk",
+    main = ("fp8_gemm", "fp8_gemm_gluon", "fp8_gemm_wide_gluon", "moe_gemm", "moe_gemm_gluon", "routing", "mhc", "indexer", "topk",
             "sparse_mla_decode_gluon", "splitk", "stored_gemm")
     for name in (f"{m}.py" for m in main):
         assert counts[name] >= 1, name

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from deepinfer_vllm.ops.shared_input import input_form
 from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE, gluon_fp8_block_gemm, gluon_fp8_supported
+from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_gemm
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq
 from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import (
@@ -325,6 +326,8 @@ def fp8_block_gemm(
     vendor_rows = VENDOR_ROWS if groups == 1 else VENDOR_ROWS_GROUPED
     if config is None and m >= vendor_rows and out_dtype == torch.bfloat16 and x.is_cuda:
         return _vendor_gemm(xv, w, s, out, groups)
+    if config is not None and "WGS" in config:
+        return gluon_fp8_wide_gemm(xv, w, s, out, groups=groups, config=config)
     if config is not None and "BT" in config or (
         config is None and out_dtype in (torch.float32, torch.bfloat16) and gluon_fp8_supported(xv, w, s, groups)
     ):

@@ -109,24 +109,28 @@ BK = 128  # K per tile: 32 bytes = one scale block per lane and row
 X_TILED_ROWS = 32  # from this batch tile on, x is rewritten in the tile order first (module docstring)
 
 
-def gluon_fp8_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int) -> bool:
-    """sm90 with Gluon, decode-sized M, N / groups a multiple of 64, K of 128, 16-byte aligned weight rows and
-    4-byte aligned scale rows."""
-    if not (GLUON_AVAILABLE and x.is_cuda) or x.shape[0] > 64:
-        return False
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+def operands_fit(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, n_tile: int,
+                 x_align: int) -> bool:
+    """sm90 with Gluon; N / groups a multiple of ``n_tile``, K of 128; 16-byte aligned weight rows, 4-byte aligned
+    scale rows, ``x`` rows aligned to ``x_align`` bytes (its copies' width)."""
+    if not (GLUON_AVAILABLE and x.is_cuda) or torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     n, k = weight.shape
     return (
-        (n // groups) % BM == 0
+        (n // groups) % n_tile == 0
         and k % BK == 0
         and weight.stride(0) % 16 == 0
         and weight.data_ptr() % 16 == 0
         and scale.stride(0) % 4 == 0
         and scale.data_ptr() % 4 == 0
-        and x.stride(0) % 2 == 0
-        and x.data_ptr() % 4 == 0
+        and (x.stride(0) * x.element_size()) % x_align == 0
+        and x.data_ptr() % x_align == 0
     )
+
+
+def gluon_fp8_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int) -> bool:
+    """Decode-sized M (up to 64 rows) with ``operands_fit`` (``x`` gathered 4 bytes at a time)."""
+    return x.shape[0] <= 64 and operands_fit(x, weight, scale, groups, BM, 4)
 
 
 if GLUON_AVAILABLE:
@@ -175,6 +179,23 @@ if GLUON_AVAILABLE:
         )
         # register i = 2 i1 + i0 of word 4q + t is k-step 2t + i1, half i0: the expert decode's places
         return place_fragment(o0, o1, o2, o3, o4, o5, o6, o7, BW, DOT_A)
+
+    @gluon.jit
+    def operand_pointers(x_ptr, w_ptr, ws_ptr, n0, m0, group, kt_lo, M, K, stride_xm, stride_wn, stride_wsn,
+                         w_r, w_c, x_r, x_c, x_cols):
+        """The first K tile's pointers of a CTA (tile ``kt`` adds ``kt`` tiles): weight rows ``n0 + w_r``, words
+        ``w_c``; ``x`` rows ``m0 + x_r`` (masked past ``M``), word ``x_cols`` (``x_c``'s place) of the group's
+        columns; the scale words of the weight rows' 32-row blocks (four scale bytes a K tile)."""
+        w_row_ptr = w_ptr + (n0 + w_r).to(gl.int64)[:, None] * stride_wn + (kt_lo * (_BK // 4) + w_c)[None, :]
+        tok = m0 + x_r
+        x_mask = (tok < M)[:, None] & (x_c < 64)[None, :]
+        x_pair_ptr = (
+            x_ptr
+            + tok.to(gl.int64)[:, None] * stride_xm
+            + (group * (K // 2) + kt_lo * (_BK // 2) + x_cols)[None, :]
+        )
+        s_row_ptr = ws_ptr + ((n0 + w_r) // 32).to(gl.int64) * stride_wsn + kt_lo
+        return w_row_ptr, x_pair_ptr, x_mask, s_row_ptr
 
     @gluon.jit
     def _fp8_gemm_gluon_kernel(
@@ -245,15 +266,10 @@ if GLUON_AVAILABLE:
         a_r = gl.arange(0, BW, layout=gl.SliceLayout(1, ACC))
         a_c = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
 
-        w_row_ptr = w_ptr + (n0 + w_r).to(gl.int64)[:, None] * stride_wn + (kt_lo * (_BK // 4) + w_c)[None, :]
-        tok = m0 + x_r
-        x_mask = (tok < M)[:, None] & (x_c < 64)[None, :]
-        x_pair_ptr = (
-            x_ptr
-            + tok.to(gl.int64)[:, None] * stride_xm
-            + (group * (K // 2) + kt_lo * (_BK // 2) + x_phys)[None, :]
+        w_row_ptr, x_pair_ptr, x_mask, s_row_ptr = operand_pointers(
+            x_ptr, w_ptr, ws_ptr, n0, m0, group, kt_lo, M, K, stride_xm, stride_wn, stride_wsn, w_r, w_c, x_r, x_c,
+            x_phys,
         )
-        s_row_ptr = ws_ptr + ((n0 + w_r) // 32).to(gl.int64) * stride_wsn + kt_lo
 
         for i in gl.static_range(NS - 1):
             issue_tile(w_s, x_s, i, n_kt, NS, w_row_ptr, _BK // 4, x_pair_ptr, x_mask)
