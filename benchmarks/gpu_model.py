@@ -533,6 +533,11 @@ def main() -> None:
         help="only the Engram layer's decode, rows in device memory vs host memory (issue 36)",
     )
     parser.add_argument(
+        "--wide-baseline",
+        action="store_true",
+        help="also time each graphed case without the wide dense GEMM kernel (ops/triton/fp8_gemm_wide_gluon.py)",
+    )
+    parser.add_argument(
         "--pdl-baseline",
         action="store_true",
         help="also time each graphed case with programmatic dependent launch off (ops/triton/pdl.py)",
@@ -586,17 +591,21 @@ def main() -> None:
     )
 
     def graphed_rows(case, forward, reps, nbytes, flops):
-        """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, in the same run."""
-        from deepinfer_vllm.ops.triton import pdl
+        """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, with ``--wide-baseline``
+        without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), in the same run."""
+        from deepinfer_vllm.ops.triton import fp8_gemm, pdl
 
-        modes = [("graphed", True)] + ([("no PDL", False)] if args.pdl_baseline else [])
-        for mode, enabled in modes:
-            pdl.ENABLED = enabled
+        wide_rows = fp8_gemm.WIDE_ROWS
+        modes = [("graphed", True, wide_rows)]
+        modes += [("no PDL", False, wide_rows)] if args.pdl_baseline else []
+        modes += [("no wide", True, (0, 0))] if args.wide_baseline else []
+        for mode, enabled, rows in modes:
+            pdl.ENABLED, fp8_gemm.WIDE_ROWS = enabled, rows
             try:
                 replay = graphed(forward)  # (its warm-up compiles this mode's kernels outside the capture)
                 report(case, mode, timed(replay, reps, device), nbytes, flops)
             finally:
-                pdl.ENABLED = True
+                pdl.ENABLED, fp8_gemm.WIDE_ROWS = True, wide_rows
             del replay
             torch.cuda.empty_cache()
 

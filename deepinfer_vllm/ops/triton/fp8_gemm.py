@@ -9,7 +9,8 @@ The weight tile is decoded to bf16 in registers (``e4m3 * 2^s`` is exactly a bf1
 x is taken as given (bf16) or, for act="mxfp8", as its MXFP8 round trip written as bf16 by
 ``mxfp8_qdq`` (exact) before the GEMM; one bf16 ``tl.dot`` per K tile.
 Decode-sized calls (M <= 64) on sm90 go to the Gluon kernel of ``fp8_gemm_gluon`` (weights decoded straight
-into the wgmma A fragment; exact for scale bytes up to ``MAX_SCALE_BYTE``, checked when a checkpoint is loaded).
+into the wgmma A fragment; exact for scale bytes up to ``MAX_SCALE_BYTE``, checked when a checkpoint is loaded),
+calls of ``WIDE_ROWS`` rows to its wide kernel (``fp8_gemm_wide_gluon``: the batch on the wgmma's wide side).
 Small M splits K over programs (``SPLIT``); the partial sums go to an fp32 workspace and are
 added in a fixed order (deterministic): by each tile's last program up to ``FIXUP_ROWS`` rows
 (``splitk.split_fixup``, one launch), else by ``splitk_reduce``. Output rounding to
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from deepinfer_vllm.ops.shared_input import input_form
 from deepinfer_vllm.ops.triton.fp8_gemm_gluon import MAX_SCALE_BYTE, gluon_fp8_block_gemm, gluon_fp8_supported
-from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_gemm
+from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_gemm, gluon_fp8_wide_supported
 from deepinfer_vllm.ops.triton.mxfp8_quant import mxfp8_qdq
 from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import (
@@ -61,6 +62,10 @@ ACT_MODES = ("bf16", "mxfp8")
 # benchmarks/README.md); block-diagonal (grouped) calls keep the Triton kernel up to 1024 rows (G products).
 VENDOR_ROWS = 256
 VENDOR_ROWS_GROUPED = 1024
+# Calls of these many rows (first included, last not) go to the wide Gluon kernel on sm90 (``fp8_gemm_wide_gluon``:
+# each weight byte decoded once per 256 rows into shared memory, the batch on the wgmma's wide side), grouped or
+# not, before the two choices above (benchmarks/README.md, "The layer step, tenth session").
+WIDE_ROWS = (65, 1024)
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -323,11 +328,16 @@ def fp8_block_gemm(
         return out
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
+    if config is not None and "WGS" in config or (
+        config is None
+        and WIDE_ROWS[0] <= m < WIDE_ROWS[1]
+        and out_dtype in (torch.float32, torch.bfloat16)
+        and gluon_fp8_wide_supported(xv, w, s, groups)
+    ):
+        return gluon_fp8_wide_gemm(xv, w, s, out, groups=groups, config=config)
     vendor_rows = VENDOR_ROWS if groups == 1 else VENDOR_ROWS_GROUPED
     if config is None and m >= vendor_rows and out_dtype == torch.bfloat16 and x.is_cuda:
         return _vendor_gemm(xv, w, s, out, groups)
-    if config is not None and "WGS" in config:
-        return gluon_fp8_wide_gemm(xv, w, s, out, groups=groups, config=config)
     if config is not None and "BT" in config or (
         config is None and out_dtype in (torch.float32, torch.bfloat16) and gluon_fp8_supported(xv, w, s, groups)
     ):
