@@ -25,6 +25,7 @@ from deepinfer_vllm.ops import quant, quant_gemm
 from deepinfer_vllm.ops.triton.fp8_gemm import (
     VENDOR_ROWS,
     VENDOR_ROWS_GROUPED,
+    WIDE_ROWS,
     fp8_block_decode,
     fp8_block_gemm,
 )
@@ -381,9 +382,9 @@ def test_fp8_block_decode_is_exact(device):
 
 @pytest.mark.skipif(INTERPRET, reason="cuBLAS needs a GPU")
 @pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("m,n,k", [(VENDOR_ROWS, 1792, 5120), (2048, 4608, 5120), (4096, 5120, 8192)])
+@pytest.mark.parametrize("m,n,k", [(max(VENDOR_ROWS, WIDE_ROWS[1]), 1792, 5120), (2048, 4608, 5120), (4096, 5120, 8192)])
 def test_prefill_rows_on_cublas_match_reference(device, act, m, n, k):
-    """From ``VENDOR_ROWS`` rows (bf16 out): the decoded weight on cuBLAS, within the kernels' bound,
+    """From ``VENDOR_ROWS`` rows past ``WIDE_ROWS`` (bf16 out): the decoded weight on cuBLAS, within the kernels' bound,
     repeatable, and the caller's reduced-precision setting left as it was."""
     w, s = make_weight(n, k, seed=n + k, device=device)
     x = make_x(m, k, seed=m, device=device)
