@@ -327,8 +327,8 @@ WIDE_CONFIGS = [
 @pytest.mark.parametrize("cfg", range(len(WIDE_CONFIGS)))
 @pytest.mark.parametrize("m,n,k", [(65, 128, 384), (200, 4608, 5120), (256, 1792, 5120), (300, 5120, 8192)])
 def test_gluon_fp8_wide_matches_reference(device, act, out_dtype, cfg, m, n, k):
-    """The wide kernel of ``fp8_gemm_wide_gluon`` (forced by a config with ``WGS``): two and four warpgroups of
-    batch rows, ring depths and K splits, rows past M masked, several row tiles."""
+    """The wide kernel of ``fp8_gemm_wide_gluon`` (forced by a config with ``WGS``): two and four warpgroups
+    of batch rows, ring depths and K splits, rows past M masked, several row tiles."""
     w, s = make_weight(n, k, seed=n + k, device=device)
     x = make_x(m, k, seed=m + cfg, device=device)
     got = fp8_block_gemm(x, w, s, act, out_dtype, config=WIDE_CONFIGS[cfg])
@@ -339,9 +339,9 @@ def test_gluon_fp8_wide_matches_reference(device, act, out_dtype, cfg, m, n, k):
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
 def test_gluon_fp8_wide_grouped_and_every_byte(device):
-    """The grouped output projection's layout (two groups: each group's columns of ``x`` times its rows of W), and
-    every e4m3 byte but the NaNs under every scale byte 0 .. MAX_SCALE_BYTE, against the reference; the default
-    configuration bit for bit run to run."""
+    """The grouped output projection's layout (two groups: each group's columns of ``x`` times its rows of
+    W), and every e4m3 byte but the NaNs under every scale byte 0 .. MAX_SCALE_BYTE, against the reference;
+    the default configuration bit for bit run to run."""
     from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_config
 
     groups, n_group, k = 2, 1024, 512
@@ -382,10 +382,12 @@ def test_fp8_block_decode_is_exact(device):
 
 @pytest.mark.skipif(INTERPRET, reason="cuBLAS needs a GPU")
 @pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("m,n,k", [(max(VENDOR_ROWS, WIDE_ROWS[1]), 1792, 5120), (2048, 4608, 5120), (4096, 5120, 8192)])
+@pytest.mark.parametrize(
+    "m,n,k", [(max(VENDOR_ROWS, WIDE_ROWS[1]), 1792, 5120), (2048, 4608, 5120), (4096, 5120, 8192)]
+)
 def test_prefill_rows_on_cublas_match_reference(device, act, m, n, k):
-    """From ``VENDOR_ROWS`` rows past ``WIDE_ROWS`` (bf16 out): the decoded weight on cuBLAS, within the kernels' bound,
-    repeatable, and the caller's reduced-precision setting left as it was."""
+    """From ``VENDOR_ROWS`` rows past ``WIDE_ROWS`` (bf16 out): the decoded weight on cuBLAS, within the
+    kernels' bound, repeatable, and the caller's reduced-precision setting left as it was."""
     w, s = make_weight(n, k, seed=n + k, device=device)
     x = make_x(m, k, seed=m, device=device)
     flags = torch.backends.cuda.matmul
