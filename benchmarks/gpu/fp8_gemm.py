@@ -228,6 +228,7 @@ def run_mid(ceilings: Ceilings):
                 ("gluon BT=64 x gathered", lambda: fp8_block_gemm(x, w, s, config=dict(g64, X_TILED=False))),
                 ("gluon BT=128", lambda: fp8_block_gemm(x, w, s, config=dict(BT=128, WG=2, NS=2))),
                 ("gluon wide", lambda: gluon_fp8_wide_gemm(x, wu, su, out)),
+                ("triton", lambda: fp8_block_gemm(x, w, s, config=pick_config(m, n, k))),
                 ("decoded bf16 + cuBLAS", lambda: _vendor_gemm(x, wu, su, out, 1)),
             ]
             ref = _vendor_gemm(x, wu, su, torch.empty_like(out), 1).float()
@@ -246,6 +247,23 @@ def run_mid(ceilings: Ceilings):
                 )
         t = time_s(_read_launcher(w, s))
         yield Row(kernel="read weight", shape=f"N={n} K={k}", seconds=t, bytes=nbytes_w)
+    # the attention's grouped output projection: 8 groups of 1024 output columns, K = 512 a group
+    groups, n, k = 8, 8192, 512
+    w, s = weight(n, k)
+    for m in MID_M:
+        x = torch.randn(m, groups * k, device="cuda").to(torch.bfloat16)
+        variants = [
+            ("default", lambda: fp8_block_gemm(x, w, s, groups=groups)),
+            ("triton", lambda: fp8_block_gemm(x, w, s, groups=groups, config=pick_config(m, n, k))),
+        ]
+        for label, fn in variants:
+            yield Row(
+                kernel=f"fp8_block_gemm grouped {label}",
+                shape=f"M={m} N={n} K={groups}x{k}",
+                seconds=time_s(fn),
+                bytes=n * k * 1.03 + m * groups * k * 2 + m * n * 2,
+                flops=2 * m * n * k,
+            )
 
 
 def run(ceilings: Ceilings) -> list[Row]:

@@ -177,7 +177,6 @@ def run_decode(ceilings: Ceilings):
             variants = [("triton", moe_config(r, LOCAL, n, k))]
             rings = ((4, 96), (3, None), (6, 96))
             variants += [(f"gluon NS={ns} maxnreg={m}", dict(base, NS=ns, MAXNREG=m)) for ns, m in rings]
-            variants += [(f"gluon async NS={ns}", dict(base, NS=ns, MAXNREG=None, ASYNC=True)) for ns in (3, 4)]
             for label, cfg in variants:
                 t = time_s(lambda cfg=cfg: grouped_fp4_gemm(x, offs, w, s, "bf16", config=cfg))  # noqa: B023
                 yield Row(

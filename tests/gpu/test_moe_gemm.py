@@ -287,9 +287,6 @@ GLUON_CONFIGS = [
     dict(BT=64, SPLIT=2),
     dict(BT=32, SPLIT=1),
     dict(BT=16, SPLIT=2, NS=4),
-    # the wgmma under the next tile's decode (not chosen by default: benchmarks/gpu/moe_gemm.py --decode)
-    dict(BT=8, SPLIT=2, NS=4, ASYNC=True),
-    dict(BT=32, SPLIT=1, NS=3, ASYNC=True),
 ]
 
 

@@ -64,8 +64,10 @@ VENDOR_ROWS = 256
 VENDOR_ROWS_GROUPED = 1024
 # Calls of these many rows (first included, last not) go to the wide Gluon kernel on sm90 (``fp8_gemm_wide_gluon``:
 # each weight byte decoded once per 256 rows into shared memory, the batch on the wgmma's wide side), grouped or
-# not, before the two choices above (benchmarks/README.md, "The layer step, tenth session").
-WIDE_ROWS = (65, 1024)
+# not, before the two choices above. H200, `fp8_gemm.py --mid`: 5-17% faster at 128 rows than the Triton kernel
+# measured in an earlier run, within -14..+11% of the decoded weight on cuBLAS at 256 in the same run (without its
+# transient bf16 copy of the weight), 1.4-1.6x slower at 512 (benchmarks/README.md, "The layer step, tenth session").
+WIDE_ROWS = (65, 257)
 
 
 # --------------------------------------------------------------------------- shared helpers

@@ -57,9 +57,9 @@ if GLUON_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-    from deepinfer_vllm.ops.triton.moe_gemm_gluon import issue_tile, mma_tile, place_fragment, wait_tile
+    from deepinfer_vllm.ops.triton.moe_gemm_gluon import issue_tile, place_fragment, wait_tile
 
 __all__ = [
     "E4M3_PTX",
@@ -179,6 +179,22 @@ if GLUON_AVAILABLE:
         )
         # register i = 2 i1 + i0 of word 4q + t is k-step 2t + i1, half i0: the expert decode's places
         return place_fragment(o0, o1, o2, o3, o4, o5, o6, o7, BW, DOT_A)
+
+    @gluon.jit
+    def mma_tile(a, xb, acc, a_prev, w_s, x_s, nxt, n_kt, NS: gl.constexpr, w_row_ptr, W_STEP: gl.constexpr,
+                 x_pair_ptr, x_mask, ASYNC: gl.constexpr):
+        """``acc += a @ xb^T``. ``ASYNC``: the wgmma stays in flight under the next tile's decode; tile ``nxt`` is
+        issued here, once the previous wgmma (which read its stage) is done in every warp (else the caller
+        issued it before the decode). Returns ``acc`` and the A operand still in flight."""
+        if ASYNC:
+            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+            gl.thread_barrier()
+            issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, W_STEP, x_pair_ptr, x_mask)
+            acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])
+        else:
+            acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+        return acc, a_prev
 
     @gluon.jit
     def operand_pointers(x_ptr, w_ptr, ws_ptr, n0, m0, group, kt_lo, M, K, stride_xm, stride_wn, stride_wsn,

@@ -32,9 +32,9 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
   which kept ``x``'s natural column pairs for 4-byte gathers but needed a ``prmt`` and a shift more
   per register: 21 instructions for 8 codes; benchmarks/README.md.)
 * ``x`` tiles and the CTA's scale words go through shared memory (the scale words one tile ahead in
-  registers); one barrier per tile hands the ``x`` tile to the wgmma. ``ASYNC`` (a config, off by default
-  until measured) issues the wgmma asynchronously so the next tile's decode runs under it, as the dense
-  kernel does.
+  registers); one barrier per tile hands the ``x`` tile to the wgmma. (The dense kernel's asynchronous
+  wgmma under the next tile's decode was measured here at 0-6% and gave wrong sums at 8-row tiles with a
+  4-deep ring and split K on the H200: not kept; benchmarks/README.md, tenth session.)
 
 Only for K a multiple of 128, N a multiple of 64. sm90 only. Row tiles of up to 64 token rows (the
 wgmma's N); prefill walks several per expert, each decoding the expert's weights again (at 8192
@@ -59,7 +59,6 @@ try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
-        warpgroup_mma_wait,
     )
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -212,22 +211,6 @@ if GLUON_AVAILABLE:
         gl.thread_barrier()
 
     @gluon.jit
-    def mma_tile(a, xb, acc, a_prev, w_s, x_s, nxt, n_kt, NS: gl.constexpr, w_row_ptr, W_STEP: gl.constexpr,
-                 x_pair_ptr, x_mask, ASYNC: gl.constexpr):
-        """``acc += a @ xb^T``. ``ASYNC``: the wgmma stays in flight under the next tile's decode; tile ``nxt`` is
-        issued here, once the previous wgmma (which read its stage) is done in every warp (else the caller
-        issued it before the decode). Returns ``acc`` and the A operand still in flight."""
-        if ASYNC:
-            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
-            gl.thread_barrier()
-            issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, W_STEP, x_pair_ptr, x_mask)
-            acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
-            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])
-        else:
-            acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
-        return acc, a_prev
-
-    @gluon.jit
     def _moe_gemm_gluon_kernel(
         x_ptr,  # int32 view of bf16 x [R, K] (or [T, K] read through rows_ptr): column pairs
         rows_ptr,  # GATHER: the row of x each grouped row reads
@@ -251,7 +234,6 @@ if GLUON_AVAILABLE:
         BT: gl.constexpr,  # token rows per tile (wgmma N)
         NS: gl.constexpr,  # ring stages
         SPLIT: gl.constexpr,
-        ASYNC: gl.constexpr,  # the wgmma runs under the next tile's decode (the dense kernel's ``ASYNC``)
         OUT_BF16: gl.constexpr,
         GATHER: gl.constexpr,
         ZERO_REST: gl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
@@ -342,14 +324,12 @@ if GLUON_AVAILABLE:
                 for i in gl.static_range(NS - 1):
                     issue_tile(w_s, x_s, i, n_kt, NS, w_row_ptr, _BK // 8, x_pair_ptr, x_mask)
                 acc = gl.zeros([64, BT], gl.float32, ACC)
-                a_prev = gl.zeros([64, 128], gl.bfloat16, DOT_A)
                 sw_next = gl.load(s_row_ptr)
                 for kt in range(n_kt):
                     stage = kt % NS
                     wait_tile(NS)
                     nxt = kt + NS - 1
-                    if not ASYNC:
-                        issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 8, x_pair_ptr, x_mask)
+                    issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 8, x_pair_ptr, x_mask)
                     sw = sw_next
                     sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
                     words = w_s.index(stage).load(WL)
@@ -357,11 +337,7 @@ if GLUON_AVAILABLE:
                     f = sb * 0x00800080 + 0x3F003F00
                     a = _decode_tile(words, f, DOT_A)
                     xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
-                    acc, a_prev = mma_tile(
-                        a, xb, acc, a_prev, w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 8, x_pair_ptr, x_mask, ASYNC
-                    )
-                if ASYNC:
-                    acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+                    acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
                 # epilogue: acc[n, token]
                 omask = (row0 + a_c < row_end)[None, :] & (a_r < 64)[:, None]
                 if SPLIT > 1:
@@ -466,7 +442,6 @@ def gluon_grouped_fp4_gemm(
         BT=bt,
         NS=ns,
         SPLIT=split,
-        ASYNC=cfg.get("ASYNC", False),
         OUT_BF16=out.dtype == torch.bfloat16,
         GATHER=rows is not None,
         ZERO_REST=zero_rest,
