@@ -23,6 +23,11 @@ weight's bytes again. Here the roles swap:
   the ring stage ``kt - 1`` used, and the wgmma of tile ``kt`` is issued asynchronously: it runs while the threads
   decode tile ``kt + 1`` into the other buffer.
 
+Measured on the H200 (benchmarks/README.md, "The layer step, tenth session"): the fastest of the four designs at
+128 rows and on the large shapes at 256, but at ~43% of the bf16 MMA rate (5120 x 8192 x 256), not near it: each
+CTA reads all of its rows of ``x`` from L2 per K tile (64 KB against 16 KB of weights at four warpgroups) through a
+two-deep ring. ``fp8_gemm.WIDE_ROWS`` sends it the calls where it won.
+
 Only for K (per group) a multiple of 128 and N (per group) a multiple of ``BN``. sm90 only.
 """
 
