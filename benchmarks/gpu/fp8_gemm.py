@@ -261,7 +261,7 @@ def run_mid(ceilings: Ceilings):
                 kernel=f"fp8_block_gemm grouped {label}",
                 shape=f"M={m} N={n} K={groups}x{k}",
                 seconds=time_s(fn),
-                bytes=n * k * 1.03 + m * groups * k * 2 + m * n * 2,
+                bytes=n * k + n * k // 1024 + m * groups * k * 2 + m * n * 2,
                 flops=2 * m * n * k,
             )
 
