@@ -15,7 +15,8 @@ on the path:
 
 For a kernel compiled with ``PDL`` it checks that the PTX waits for the grid dependency
 (``griddepcontrol.wait``) before its first global memory access. It prints each failure and the counts; exit
-status 1 if anything failed. ``--ptxas-v`` lists registers and spills per kernel.
+status 1 if anything failed. ``--ptxas-v`` lists registers and spills per kernel, and the kernels whose asynchronous
+wgmmas ptxas serialized.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class Compiler:
         self.pdl_checked = 0
         self.ptxas_v = ptxas_v
         self.regs: dict[str, set] = {}
+        self.serialized: dict[str, int] = {}  # kernels whose async wgmmas ptxas serialized (its info C7515)
         jit_run = JITFunction.run
         compiler = self
 
@@ -138,12 +140,17 @@ class Compiler:
             if problem:
                 self.failures.setdefault(f"{name}: PDL: {problem}", name)
         if self.ptxas_v:
-            self.regs.setdefault(name, set()).add(_ptxas_registers(kernel))
+            regs, spills, serialized = _ptxas_info(kernel)
+            self.regs.setdefault(name, set()).add((regs, spills))
+            if serialized:
+                self.serialized[name] = self.serialized.get(name, 0) + 1
 
 
-def _ptxas_registers(kernel) -> tuple[int, int]:
-    """(registers, spill store bytes) of the kernel's PTX by the bundled ``ptxas -v`` (the compiled kernel's
-    ``n_regs`` is only known once a driver loads it)."""
+def _ptxas_info(kernel) -> tuple[int, int, bool]:
+    """(registers, spill store bytes, wgmma serialized) of the kernel's PTX by the bundled ``ptxas -v`` (the
+    compiled kernel's ``n_regs`` is only known once a driver loads it). ptxas serializes ``wgmma.mma_async``
+    (waits for each before the next: no MMA under other work) when it cannot keep the accumulators untouched
+    between issue and wait, and says so only as its info C7515."""
     import subprocess
     import tempfile
 
@@ -157,7 +164,7 @@ def _ptxas_registers(kernel) -> tuple[int, int]:
                              capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", run.stderr)
     spills = re.search(r"(\d+) bytes spill stores", run.stderr)
-    return (int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1)
+    return (int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1, "C7515" in run.stderr)
 
 
 def _package_kernels() -> set[str]:
@@ -180,7 +187,7 @@ def _package_kernels() -> set[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ptxas-v", action="store_true", help="registers and spills per kernel")
+    p.add_argument("--ptxas-v", action="store_true", help="registers, spills and wgmma serialization per kernel")
     a, pytest_args = p.parse_known_args()
     import pytest
     import triton
@@ -201,6 +208,8 @@ def main() -> int:
           f"{sorted(n.rsplit('.', 1)[1] for n in package - functions) or 'none'}")
     for name, rs in sorted(c.regs.items()):
         print(f"  {name}: registers/spills {sorted(rs)}")
+    for name, n in sorted(c.serialized.items()):
+        print(f"  {name}: wgmma serialized by ptxas (C7515) in {n} of its compiled variants")
     for f in c.failures:
         print("FAIL", f)
     return 1 if c.failures else 0
