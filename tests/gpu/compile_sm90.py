@@ -15,8 +15,8 @@ on the path:
 
 For a kernel compiled with ``PDL`` it checks that the PTX waits for the grid dependency
 (``griddepcontrol.wait``) before its first global memory access. It prints each failure and the counts; exit
-status 1 if anything failed. ``--ptxas-v`` lists registers and spills per kernel, and the kernels whose asynchronous
-wgmmas ptxas serialized.
+status 1 if anything failed. ``--ptxas-v`` lists registers and spills per kernel, and the kernels whose
+asynchronous wgmmas ptxas serialized.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _package_kernels() -> set[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ptxas-v", action="store_true", help="registers, spills and wgmma serialization per kernel")
+    p.add_argument("--ptxas-v", action="store_true", help="registers, spills, wgmma serialization per kernel")
     a, pytest_args = p.parse_known_args()
     import pytest
     import triton
