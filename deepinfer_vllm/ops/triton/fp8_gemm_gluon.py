@@ -181,22 +181,6 @@ if GLUON_AVAILABLE:
         return place_fragment(o0, o1, o2, o3, o4, o5, o6, o7, BW, DOT_A)
 
     @gluon.jit
-    def mma_tile(a, xb, acc, a_prev, w_s, x_s, nxt, n_kt, NS: gl.constexpr, w_row_ptr, W_STEP: gl.constexpr,
-                 x_pair_ptr, x_mask, ASYNC: gl.constexpr):
-        """``acc += a @ xb^T``. ``ASYNC``: the wgmma stays in flight under the next tile's decode; tile ``nxt`` is
-        issued here, once the previous wgmma (which read its stage) is done in every warp (else the caller
-        issued it before the decode). Returns ``acc`` and the A operand still in flight."""
-        if ASYNC:
-            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
-            gl.thread_barrier()
-            issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, W_STEP, x_pair_ptr, x_mask)
-            acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
-            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])
-        else:
-            acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
-        return acc, a_prev
-
-    @gluon.jit
     def operand_pointers(x_ptr, w_ptr, ws_ptr, n0, m0, group, kt_lo, M, K, stride_xm, stride_wn, stride_wsn,
                          w_r, w_c, x_r, x_c, x_cols):
         """The first K tile's pointers of a CTA (tile ``kt`` adds ``kt`` tiles): weight rows ``n0 + w_r``, words
@@ -308,9 +292,15 @@ if GLUON_AVAILABLE:
             else:
                 a = _decode_tile(words, f, BW, DOT_A)
             xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
-            acc, a_prev = mma_tile(
-                a, xb, acc, a_prev, w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 4, x_pair_ptr, x_mask, ASYNC
-            )
+            if ASYNC:
+                # the previous tile's MMA (which read stage nxt % NS) is done in both warpgroups
+                acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+                gl.thread_barrier()
+                issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 4, x_pair_ptr, x_mask)
+                acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
+                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])  # in flight while the next tile decodes
+            else:
+                acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
         if ASYNC:
             acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)

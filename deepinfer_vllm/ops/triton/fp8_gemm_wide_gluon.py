@@ -181,7 +181,7 @@ if GLUON_AVAILABLE:
                 gl.store(optr, acc, mask=omask)
 
 
-def gluon_fp8_wide_config(m: int, n: int, k: int, sms: int = 132, groups: int = 1) -> dict:
+def gluon_fp8_wide_config(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Four warpgroups above 128 rows (one decode per weight byte up to 256 rows), else two; the deepest ring that
     fits beside the two decoded tiles (one CTA per SM); the K split with the least predicted time: whole waves of
     CTAs times their K tiles at the bf16 MMA rate, plus the fp32 partials written and added again."""
@@ -217,7 +217,7 @@ def gluon_fp8_wide_gemm(
     uint8 [N/32, K/32] (the checked arguments of ``fp8_gemm.fp8_block_gemm``)."""
     n, k = w.shape
     m = x.shape[0]
-    cfg = dict(config) if config else gluon_fp8_wide_config(m, n, k, sm_count(x.device), groups)
+    cfg = dict(config) if config else gluon_fp8_wide_config(m, n, k, sm_count(x.device))
     wgs, ns = cfg["WGS"], cfg.get("NS", 2)
     if (n // groups) % BN:
         raise ValueError(f"the wide kernel needs N / groups = {n // groups} to be a multiple of {BN}")
