@@ -538,6 +538,11 @@ def main() -> None:
         help="also time each graphed case without the wide dense GEMM kernel (ops/triton/fp8_gemm_wide_gluon.py)",
     )
     parser.add_argument(
+        "--wide-rows",
+        metavar="LO,HI",
+        help="also time each graphed case with the wide dense GEMM kernel for LO <= rows < HI (fp8_gemm.WIDE_ROWS)",
+    )
+    parser.add_argument(
         "--pdl-baseline",
         action="store_true",
         help="also time each graphed case with programmatic dependent launch off (ops/triton/pdl.py)",
@@ -592,13 +597,17 @@ def main() -> None:
 
     def graphed_rows(case, forward, reps, nbytes, flops):
         """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, with ``--wide-baseline``
-        without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), in the same run."""
+        without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), with ``--wide-rows`` with its rows
+        window, in the same run."""
         from deepinfer_vllm.ops.triton import fp8_gemm, pdl
 
         wide_rows = fp8_gemm.WIDE_ROWS
         modes = [("graphed", True, wide_rows)]
         modes += [("no PDL", False, wide_rows)] if args.pdl_baseline else []
         modes += [("no wide", True, (0, 0))] if args.wide_baseline else []
+        if args.wide_rows:
+            lo, hi = (int(v) for v in args.wide_rows.split(","))
+            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi))]
         for mode, enabled, rows in modes:
             pdl.ENABLED, fp8_gemm.WIDE_ROWS = enabled, rows
             try:

@@ -8,12 +8,14 @@ Rows:
     "vs baseline" column is the fraction of _scaled_mm's rate (goal: >= 0.80).
   * decode M = 1, 64, 256 on the same shapes: bytes = weight + scales + x + out; % copy.
   * a tile sweep (act=bf16) on (5120, 8192) at M = 8192 and M = 1 (``GEMM_SWEEP=0`` skips it).
-``--decode``: M = 1..64 only, the default (the Gluon kernel on sm90) beside the Triton kernel and Gluon variants
-on the same call, and a plain reader of the same weight bytes (the ceiling).
-``--mid``: M = 128, 256, 512 (large decode batches, above the Gluon kernel's 64 rows): the default (the Triton
-kernel below ``VENDOR_ROWS``, the decoded weight on cuBLAS from it), the Gluon kernel's 64-row tiles forced
-(each tile decodes the weights again; x rewritten in the tile order or gathered) and its 128-row tiles, the
-weight decoded to bf16 and cuBLAS (decode included), and a plain reader of the same weight bytes.
+``--decode``: M = 1..64 only, the default (on sm90 the Gluon decode kernel, from ``fp8_gemm.WIDE_ROWS[0]`` rows the
+wide kernel) beside the Triton kernel, the decode kernel's variants and the wide kernel at 16 rows on the same call,
+and a plain reader of the same weight bytes (the ceiling).
+``--mid``: M = 128, 256, 512 (large decode batches, above the Gluon decode kernel's 64 rows): the default (the wide
+kernel in ``fp8_gemm.WIDE_ROWS``, else the decoded weight on cuBLAS from ``VENDOR_ROWS``), the decode kernel's
+64-row tiles forced (each tile decodes the weights again; x rewritten in the tile order or gathered) and its
+128-row tiles, the wide kernel, the Triton kernel, the weight decoded to bf16 and cuBLAS (decode included), and a
+plain reader of the same weight bytes.
 The act="mxfp8" rows include the Triton activation quantiser (one extra launch).
 """
 
@@ -30,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops import quant  # noqa: E402
+from deepinfer_vllm.ops.triton import fp8_gemm  # noqa: E402
 from deepinfer_vllm.ops.triton.fp8_gemm import (  # noqa: E402
     VENDOR_ROWS,
     _vendor_gemm,
@@ -180,6 +183,7 @@ def run_decode(ceilings: Ceilings):
     """Decode (M <= 64): the default (the Gluon kernel on sm90) beside the Triton kernel and Gluon variants on
     the same call, and a plain reader of the same weight bytes. A generator: rows print as measured."""
     from deepinfer_vllm.ops.triton.fp8_gemm_gluon import gluon_fp8_config
+    from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_config
 
     torch.manual_seed(0)
     for n, k in DECODE_ONLY_SHAPES:
@@ -189,15 +193,19 @@ def run_decode(ceilings: Ceilings):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             nbytes = nbytes_w + m * k * 2 + m * n * 2
             base = gluon_fp8_config(m, n, k)
+            wide = gluon_fp8_wide_config(m, n, k)
+            wide_default = fp8_gemm.WIDE_ROWS[0] <= m < fp8_gemm.WIDE_ROWS[1]
             variants = [("default", None), ("triton", pick_config(m, n, k))]
             variants += [("gluon async", dict(base, ASYNC=True)), ("gluon sync", dict(base, ASYNC=False))]
             variants += [(f"gluon async NS={ns}", dict(base, NS=ns, ASYNC=True)) for ns in (2, 3, 4) if ns != base["NS"]]
             variants += [(f"gluon async WG={3 - base['WG']}", dict(base, WG=3 - base["WG"], NS=3, ASYNC=True))]
+            if m >= 16 and not wide_default:  # the wide kernel with one warpgroup where it is not the default
+                variants += [("wide", wide)]
             for label, cfg in variants:
                 t = time_s(lambda cfg=cfg: fp8_block_gemm(x, w, s, "bf16", config=cfg))  # noqa: B023
                 yield Row(
                     kernel=f"fp8_block_gemm {label}",
-                    shape=f"M={m} N={n} K={k}" + (f" ({_cfg_name(cfg)})" if cfg else f" ({_cfg_name(base)})"),
+                    shape=f"M={m} N={n} K={k} ({_cfg_name(cfg or (wide if wide_default else base))})",
                     seconds=t,
                     bytes=nbytes,
                     flops=2 * m * n * k,
@@ -207,6 +215,13 @@ def run_decode(ceilings: Ceilings):
 
 
 MID_M = (128, 256, 512)
+
+
+def _default_kernel(m: int, n: int, k: int) -> str:
+    """Which kernel ``fp8_block_gemm`` picks for an ungrouped bf16 call of ``m`` (65 or more) rows on sm90."""
+    if fp8_gemm.WIDE_ROWS[0] <= m < fp8_gemm.WIDE_ROWS[1]:
+        return "wide"
+    return "decoded + cuBLAS" if m >= VENDOR_ROWS else _cfg_name(pick_config(m, n, k))
 
 
 def run_mid(ceilings: Ceilings):
@@ -236,8 +251,7 @@ def run_mid(ceilings: Ceilings):
             print(f"# wide M={m} N={n} K={k} {gluon_fp8_wide_config(m, n, k)}: max |wide - cuBLAS| "
                   f"{(got - ref).abs().max().item():.3g} of max |out| {ref.abs().max().item():.3g}", flush=True)
             for label, fn in variants:
-                triton_default = label == "default" and m < VENDOR_ROWS
-                cfg = f" ({_cfg_name(pick_config(m, n, k))})" if triton_default else ""
+                cfg = f" ({_default_kernel(m, n, k)})" if label == "default" else ""
                 yield Row(
                     kernel=f"fp8_block_gemm {label}",
                     shape=f"M={m} N={n} K={k}{cfg}",

@@ -239,11 +239,13 @@ def test_gluon_fp8_x_tiled_is_bit_identical(device, m, n, k, groups):
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
 def test_gluon_fp8_shared_input_rewrites_x_once(device, monkeypatch):
-    """GEMMs of one ``x`` inside ``shared_inputs(x)`` (``wq_a`` and ``wkv`` at 64 rows) launch ``x_tile_order``
-    once and give the bits of separate calls; captured in a CUDA graph, the replay rewrites the new ``x``."""
+    """GEMMs of one ``x`` inside ``shared_inputs(x)`` (``wq_a`` and ``wkv`` at 64 rows on the decode kernel, whose
+    64-row tiles read ``x`` rewritten) launch ``x_tile_order`` once and give the bits of separate calls; captured in
+    a CUDA graph, the replay rewrites the new ``x``."""
     from deepinfer_vllm.ops.shared_input import shared_inputs
-    from deepinfer_vllm.ops.triton import fp8_gemm_gluon
+    from deepinfer_vllm.ops.triton import fp8_gemm, fp8_gemm_gluon
 
+    monkeypatch.setattr(fp8_gemm, "WIDE_ROWS", (0, 0))  # (64 rows go to the wide kernel by default: no rewrite)
     made = []
     rewrite = fp8_gemm_gluon.x_tile_order
     monkeypatch.setattr(fp8_gemm_gluon, "x_tile_order", lambda t: made.append(1) or rewrite(t))

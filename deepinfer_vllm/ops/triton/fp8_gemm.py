@@ -8,9 +8,10 @@ operand and a small batch (``BM`` 16-64) is the narrow N side of the MMA.
 The weight tile is decoded to bf16 in registers (``e4m3 * 2^s`` is exactly a bf16 number);
 x is taken as given (bf16) or, for act="mxfp8", as its MXFP8 round trip written as bf16 by
 ``mxfp8_qdq`` (exact) before the GEMM; one bf16 ``tl.dot`` per K tile.
-Decode-sized calls (M <= 64) on sm90 go to the Gluon kernel of ``fp8_gemm_gluon`` (weights decoded straight
-into the wgmma A fragment; exact for scale bytes up to ``MAX_SCALE_BYTE``, checked when a checkpoint is loaded),
-calls of ``WIDE_ROWS`` rows to its wide kernel (``fp8_gemm_wide_gluon``: the batch on the wgmma's wide side).
+Calls of ``WIDE_ROWS`` rows (17-256) on sm90 go to the wide Gluon kernel (``fp8_gemm_wide_gluon``: the batch on the
+wgmma's wide side), smaller decode calls (and up to 64 rows the calls it cannot take) to the Gluon kernel of
+``fp8_gemm_gluon`` (weights decoded straight into the wgmma A fragment; both exact for scale bytes up to
+``MAX_SCALE_BYTE``, checked when a checkpoint is loaded).
 Small M splits K over programs (``SPLIT``); the partial sums go to an fp32 workspace and are
 added in a fixed order (deterministic): by each tile's last program up to ``FIXUP_ROWS`` rows
 (``splitk.split_fixup``, one launch), else by ``splitk_reduce``. Output rounding to
@@ -64,10 +65,12 @@ VENDOR_ROWS = 256
 VENDOR_ROWS_GROUPED = 1024
 # Calls of these many rows (first included, last not) go to the wide Gluon kernel on sm90 (``fp8_gemm_wide_gluon``:
 # each weight byte decoded once per 256 rows into shared memory, the batch on the wgmma's wide side), grouped or
-# not, before the two choices above. H200, `fp8_gemm.py --mid`: 5-17% faster at 128 rows than the Triton kernel
-# measured in an earlier run, within -14..+11% of the decoded weight on cuBLAS at 256 in the same run (without its
-# transient bf16 copy of the weight), 1.4-1.6x slower at 512 (benchmarks/README.md, "The layer step, tenth session").
-WIDE_ROWS = (65, 257)
+# not, before the choices above and below. Measured (benchmarks/README.md, tenth and eleventh sessions): at 32 and
+# 64 rows 10-32% less time than the decode kernel on every Flash shape (H100, `fp8_gemm.py --decode`; 17-31 rows
+# run the same tiles as 32 in both), 4-15% more at 16; at 128 rows 5-17% faster than the Triton kernel (H200;
+# H100 -8..+4%); at 256 within -14..+11% of the decoded weight on cuBLAS (H200; H100 -29..+9%); 1.2-1.6x slower
+# than cuBLAS at 512 on both GPUs.
+WIDE_ROWS = (17, 257)
 
 
 # --------------------------------------------------------------------------- shared helpers

@@ -111,14 +111,16 @@ X_TILED_ROWS = 32  # from this batch tile on, x is rewritten in the tile order f
 
 def operands_fit(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, n_tile: int,
                  x_align: int) -> bool:
-    """sm90 with Gluon; N / groups a multiple of ``n_tile``, K of 128; 16-byte aligned weight rows, 4-byte aligned
-    scale rows, ``x`` rows aligned to ``x_align`` bytes (its copies' width)."""
+    """sm90 with Gluon; N / groups a multiple of ``n_tile``, K a positive multiple of 128 (the kernels' K loops run
+    at least once); 16-byte aligned weight rows, 4-byte aligned scale rows, ``x`` rows aligned to ``x_align`` bytes
+    (its copies' width)."""
     if not (GLUON_AVAILABLE and x.is_cuda) or torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     n, k = weight.shape
     return (
         (n // groups) % n_tile == 0
         and k % BK == 0
+        and k > 0
         and weight.stride(0) % 16 == 0
         and weight.data_ptr() % 16 == 0
         and scale.stride(0) % 4 == 0
@@ -276,7 +278,7 @@ if GLUON_AVAILABLE:
         acc = gl.zeros([BW, BT], gl.float32, ACC)
         a_prev = gl.zeros([BW, 128], gl.bfloat16, DOT_A)
         sw_next = gl.load(s_row_ptr)
-        for kt in range(n_kt):
+        for kt in range(gl.maximum(n_kt, 1)):  # one trip at least: see the wide kernel (C7515)
             stage = kt % NS
             wait_tile(NS)
             nxt = kt + NS - 1

@@ -23,10 +23,12 @@ weight's bytes again. Here the roles swap:
   the ring stage ``kt - 1`` used, and the wgmma of tile ``kt`` is issued asynchronously: it runs while the threads
   decode tile ``kt + 1`` into the other buffer.
 
-Measured on the H200 (benchmarks/README.md, "The layer step, tenth session"): the fastest of the four designs at
-128 rows and on the large shapes at 256, but at ~43% of the bf16 MMA rate (5120 x 8192 x 256), not near it: each
-CTA reads all of its rows of ``x`` from L2 per K tile (64 KB against 16 KB of weights at four warpgroups) through a
-two-deep ring. ``fp8_gemm.WIDE_ROWS`` sends it the calls where it won.
+Measured (benchmarks/README.md, "The layer step", tenth and eleventh sessions): the fastest of the dense designs
+at 17-128 rows (one warpgroup at up to 64 rows: 10-32% less time than the decode kernel at 32-64 rows, with no
+rewrite of ``x``) and on the large shapes at 256, but at ~43% of the bf16 MMA rate at 5120 x 8192 x 256, not near
+it, with its wgmmas asynchronous or not (ptxas serialized them until the K loop got its one-trip floor; the H100 run
+after it was no faster): each CTA reads all of its rows of ``x`` from L2 per K tile (64 KB against 16 KB of weights
+at four warpgroups) through a two-deep ring. ``fp8_gemm.WIDE_ROWS`` sends it the calls where it won.
 
 Only for K (per group) a multiple of 128 and N (per group) a multiple of ``BN``. sm90 only.
 """
@@ -148,7 +150,9 @@ if GLUON_AVAILABLE:
             issue_tile(w_s, x_s, i, n_kt, NS, w_row_ptr, _BK // 4, x_pair_ptr, x_mask)
         acc = gl.zeros([BM, _BN], gl.float32, ACC)
         sw_next = gl.load(s_row_ptr)
-        for kt in range(n_kt):
+        # (at least one trip: a zero-trip path would re-zero the accumulators between the async wgmmas, and ptxas
+        # then serializes every wgmma, C7515; every split has at least one K tile)
+        for kt in range(gl.maximum(n_kt, 1)):
             stage = kt % NS
             buf = kt % 2
             async_copy.wait_group(NS - 2)  # this thread's copies of tile kt have landed
@@ -182,10 +186,10 @@ if GLUON_AVAILABLE:
 
 
 def gluon_fp8_wide_config(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """Four warpgroups above 128 rows (one decode per weight byte up to 256 rows), else two; the deepest ring that
-    fits beside the two decoded tiles (one CTA per SM); the K split with the least predicted time: whole waves of
-    CTAs times their K tiles at the bf16 MMA rate, plus the fp32 partials written and added again."""
-    wgs = 4 if m > 128 else 2
+    """Four warpgroups above 128 rows (one decode per weight byte up to 256 rows), two above 64, else one; the
+    deepest ring that fits beside the two decoded tiles (one CTA per SM); the K split with the least predicted time:
+    whole waves of CTAs times their K tiles at the bf16 MMA rate, plus the fp32 partials written and added again."""
+    wgs = 4 if m > 128 else 2 if m > 64 else 1
     bm = 64 * wgs
     # bytes per ring stage: the x tile (BM x 128 bf16) and the raw weights (BN x 128); decoded: 2 x BN x 256
     stage = bm * 256 + BN * 128
