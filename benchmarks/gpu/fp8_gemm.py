@@ -32,11 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops import quant  # noqa: E402
-from deepinfer_vllm.ops.triton import fp8_gemm  # noqa: E402
 from deepinfer_vllm.ops.triton.fp8_gemm import (  # noqa: E402
     VENDOR_ROWS,
     _vendor_gemm,
     fp8_block_gemm,
+    in_wide_rows,
     pick_config,
 )
 
@@ -194,7 +194,7 @@ def run_decode(ceilings: Ceilings):
             nbytes = nbytes_w + m * k * 2 + m * n * 2
             base = gluon_fp8_config(m, n, k)
             wide = gluon_fp8_wide_config(m, n, k)
-            wide_default = fp8_gemm.WIDE_ROWS[0] <= m < fp8_gemm.WIDE_ROWS[1]
+            wide_default = in_wide_rows(m)
             variants = [("default", None), ("triton", pick_config(m, n, k))]
             variants += [("gluon async", dict(base, ASYNC=True)), ("gluon sync", dict(base, ASYNC=False))]
             variants += [(f"gluon async NS={ns}", dict(base, NS=ns, ASYNC=True)) for ns in (2, 3, 4) if ns != base["NS"]]
@@ -219,7 +219,7 @@ MID_M = (128, 256, 512)
 
 def _default_kernel(m: int, n: int, k: int) -> str:
     """Which kernel ``fp8_block_gemm`` picks for an ungrouped bf16 call of ``m`` (65 or more) rows on sm90."""
-    if fp8_gemm.WIDE_ROWS[0] <= m < fp8_gemm.WIDE_ROWS[1]:
+    if in_wide_rows(m):
         return "wide"
     return "decoded + cuBLAS" if m >= VENDOR_ROWS else _cfg_name(pick_config(m, n, k))
 

@@ -53,7 +53,7 @@ from deepinfer_vllm.ops.triton.splitk import (
 
 __all__ = [
     "ACT_MODES", "MAX_SCALE_BYTE", "VENDOR_ROWS", "fp8_block_decode", "fp8_block_gemm", "fp32_reductions",
-    "pick_config",
+    "in_wide_rows", "pick_config",
 ]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -71,6 +71,11 @@ VENDOR_ROWS_GROUPED = 1024
 # H100 -8..+4%); at 256 within -14..+11% of the decoded weight on cuBLAS (H200; H100 -29..+9%); 1.2-1.6x slower
 # than cuBLAS at 512 on both GPUs.
 WIDE_ROWS = (17, 257)
+
+
+def in_wide_rows(m: int) -> bool:
+    """Whether a call of ``m`` rows is in ``WIDE_ROWS`` (read at each call: benchmarks and tests set it)."""
+    return WIDE_ROWS[0] <= m < WIDE_ROWS[1]
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -335,7 +340,7 @@ def fp8_block_gemm(
     xv = gemm_activations(x, act)
     if config is not None and "WGS" in config or (
         config is None
-        and WIDE_ROWS[0] <= m < WIDE_ROWS[1]
+        and in_wide_rows(m)
         and out_dtype in (torch.float32, torch.bfloat16)
         and gluon_fp8_wide_supported(xv, w, s, groups)
     ):
