@@ -11,7 +11,7 @@ failed assertion, so launches after it in the same test are not reached. Run it 
 on the path:
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0      # the H200's Triton
-    PYTHONPATH=/tmp/t36:$PWD python tests/gpu/compile_sm90.py [--ptxas-v] [pytest arguments: tests/gpu]
+    PYTHONPATH=/tmp/t36:$PWD python tests/gpu/compile_sm90.py [--ptxas-v] [--dump-ptx DIR] [pytest arguments: tests/gpu]
 
 For a kernel compiled with ``PDL`` it checks that the PTX waits for the grid dependency
 (``griddepcontrol.wait``) before its first global memory access. It prints each failure and the counts; exit
@@ -32,9 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 os.environ["DEEPINFER_COMPILE_SM90"] = "1"
 os.environ.pop("TRITON_INTERPRET", None)
 
-# A load, store, atomic, reduction, asynchronous copy or prefetch of global memory (any qualifiers).
+# A load, store, atomic, reduction or asynchronous copy of global memory (any qualifiers, any predicate). Not a
+# prefetch (``prefetch.global.L2``, ``cp.async.bulk.prefetch``): it returns nothing to the program, and the weight
+# GEMMs issue it for their weights before the wait (``ops/triton/pdl.py``).
 _GLOBAL_ACCESS = re.compile(
-    r"^\s*(@!?%p\d+\s+)?((ld|st|atom|red|prefetch)\.[\w:.]*global|cp\.async|cp\.reduce)", re.M
+    r"^\s*(@!?%?\w+\s+)?((ld|st|atom|red)\.[\w:.]*global|cp\.async(?!\.bulk\.prefetch)|cp\.reduce)", re.M
 )
 
 
@@ -99,7 +101,7 @@ def _pretend_sm90():
 class Compiler:
     """Replaces ``JITFunction.run`` (Triton and Gluon kernels alike): compile, inspect, never launch."""
 
-    def __init__(self, ptxas_v: bool):
+    def __init__(self, ptxas_v: bool, dump_ptx: str | None = None):
         from triton.runtime import driver
         from triton.runtime.jit import JITFunction
 
@@ -108,6 +110,7 @@ class Compiler:
         self.keys: set = set()
         self.pdl_checked = 0
         self.ptxas_v = ptxas_v
+        self.dump_ptx = Path(dump_ptx) if dump_ptx else None
         self.regs: dict[str, set] = {}
         self.serialized: dict[str, int] = {}  # kernels whose async wgmmas ptxas serialized (its info C7515)
         jit_run = JITFunction.run
@@ -134,6 +137,9 @@ class Compiler:
         if key in self.keys:
             return
         self.keys.add(key)
+        if self.dump_ptx is not None:
+            self.dump_ptx.mkdir(parents=True, exist_ok=True)
+            (self.dump_ptx / f"{name.rsplit('.', 1)[-1]}-{kernel.hash[:12]}.ptx").write_text(kernel.asm["ptx"])
         if kwargs.get("PDL"):
             self.pdl_checked += 1
             problem = _check_pdl_ptx(kernel.asm["ptx"])
@@ -188,13 +194,14 @@ def _package_kernels() -> set[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ptxas-v", action="store_true", help="registers, spills, wgmma serialization per kernel")
+    p.add_argument("--dump-ptx", metavar="DIR", help="also write each compiled kernel's PTX into DIR")
     a, pytest_args = p.parse_known_args()
     import pytest
     import triton
 
     print(f"Triton {triton.__version__} from {Path(triton.__file__).parent}")
     _pretend_sm90()
-    c = Compiler(a.ptxas_v)
+    c = Compiler(a.ptxas_v, a.dump_ptx)
     args = list(pytest_args)
     if not any(a.startswith("tests") or a.endswith(".py") or "::" in a for a in args):
         args.append(str(Path(__file__).parent))
