@@ -547,18 +547,6 @@ def main() -> None:
         action="store_true",
         help="also time each graphed case with programmatic dependent launch off (ops/triton/pdl.py)",
     )
-    parser.add_argument(
-        "--prefetch-baseline",
-        action="store_true",
-        help="also time each graphed case without the weight GEMMs' L2 prefetch before their grid wait "
-        "(pdl.PREFETCH_BYTES = 0)",
-    )
-    parser.add_argument(
-        "--prefetch-bytes",
-        type=int,
-        metavar="BYTES",
-        help="also time each graphed case with this prefetch budget per launch (pdl.PREFETCH_BYTES)",
-    )
     args = parser.parse_args()
     if args.engram:
         device = torch.device("cpu" if args.dry_run else "cuda")
@@ -610,27 +598,23 @@ def main() -> None:
     def graphed_rows(case, forward, reps, nbytes, flops):
         """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, with ``--wide-baseline``
         without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), with ``--wide-rows`` with its rows
-        window, with ``--prefetch-baseline`` without the weight prefetch before the grid waits, with
-        ``--prefetch-bytes`` with another prefetch budget, in the same run."""
+        window, in the same run."""
         from deepinfer_vllm.ops.triton import fp8_gemm, pdl
 
-        wide_rows, pf = fp8_gemm.WIDE_ROWS, pdl.PREFETCH_BYTES
-        modes = [("graphed", True, wide_rows, pf)]
-        modes += [("no PDL", False, wide_rows, pf)] if args.pdl_baseline else []
-        modes += [("no wide", True, (0, 0), pf)] if args.wide_baseline else []
+        wide_rows = fp8_gemm.WIDE_ROWS
+        modes = [("graphed", True, wide_rows)]
+        modes += [("no PDL", False, wide_rows)] if args.pdl_baseline else []
+        modes += [("no wide", True, (0, 0))] if args.wide_baseline else []
         if args.wide_rows:
             lo, hi = (int(v) for v in args.wide_rows.split(","))
-            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi), pf)]
-        modes += [("no pref", True, wide_rows, 0)] if args.prefetch_baseline else []
-        if args.prefetch_bytes is not None:
-            modes += [(f"pf{args.prefetch_bytes >> 20}M", True, wide_rows, args.prefetch_bytes)]
-        for mode, enabled, rows, budget in modes:
-            pdl.ENABLED, fp8_gemm.WIDE_ROWS, pdl.PREFETCH_BYTES = enabled, rows, budget
+            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi))]
+        for mode, enabled, rows in modes:
+            pdl.ENABLED, fp8_gemm.WIDE_ROWS = enabled, rows
             try:
                 replay = graphed(forward)  # (its warm-up compiles this mode's kernels outside the capture)
                 report(case, mode, timed(replay, reps, device), nbytes, flops)
             finally:
-                pdl.ENABLED, fp8_gemm.WIDE_ROWS, pdl.PREFETCH_BYTES = True, wide_rows, pf
+                pdl.ENABLED, fp8_gemm.WIDE_ROWS = True, wide_rows
             del replay
             torch.cuda.empty_cache()
 

@@ -32,11 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 os.environ["DEEPINFER_COMPILE_SM90"] = "1"
 os.environ.pop("TRITON_INTERPRET", None)
 
-# A load, store, atomic, reduction or asynchronous copy of global memory (any qualifiers, any predicate). Not a
-# prefetch (``prefetch.global.L2``, ``cp.async.bulk.prefetch``): it returns nothing to the program, and the weight
-# GEMMs issue it for their weights before the wait (``ops/triton/pdl.py``).
+# A load, store, atomic, reduction, asynchronous copy or prefetch of global memory (any qualifiers).
 _GLOBAL_ACCESS = re.compile(
-    r"^\s*(@!?%?\w+\s+)?((ld|st|atom|red)\.[\w:.]*global|cp\.async(?!\.bulk\.prefetch)|cp\.reduce)", re.M
+    r"^\s*(@!?%p\d+\s+)?((ld|st|atom|red|prefetch)\.[\w:.]*global|cp\.async|cp\.reduce)", re.M
 )
 
 

@@ -16,12 +16,9 @@ import triton.language as tl
 
 from conftest import INTERPRET
 
-from deepinfer_vllm.ops import quant
-from deepinfer_vllm.ops.triton.fp8_gemm import fp8_block_gemm, in_wide_rows
-from deepinfer_vllm.ops.triton.pdl import pdl_args, prefetch_bytes
+from deepinfer_vllm.ops.triton.pdl import pdl_args
 from deepinfer_vllm.ops.triton.routing import add_shared
 from deepinfer_vllm.ops.triton.splitk import splitk_reduce
-from deepinfer_vllm.ops.triton.stored_gemm import stored_gemm
 
 pytestmark = pytest.mark.skipif(
     INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -109,63 +106,3 @@ def test_kernels_wait_for_a_late_predecessor(graphed):
     # Ours waited: the sum of the two partials, then plus the shared 0.5.
     assert torch.equal(out, torch.full_like(out, 2 * value))
     assert torch.equal(final, torch.full_like(final, 2 * value + 0.5))
-
-
-@pytest.mark.parametrize("m", [1, 64])
-def test_weight_gemms_prefetch_then_wait(m):
-    """The weight GEMMs prefetch their weights before the grid wait (``pdl``'s docstring): launched under the
-    producer's spin, they must still multiply the ``x`` it writes late, bit for bit as when launched after it.
-    ``m = 1``: the dense FP8 decode kernel and the stored-weight GEMV; ``m = 64``: the wide kernel and the
-    stored-weight tensor-core kernel."""
-    dev = torch.device("cuda")
-    n, k = 1024, 2048
-    g = torch.Generator(device=dev).manual_seed(0)
-    w8, s8 = quant.quant_fp8_block(torch.randn(n, k, generator=g, device=dev) * 0.05)
-    w8, s8 = w8.view(torch.float8_e4m3fn), s8.view(torch.float8_e8m0fnu)
-    w_stored = torch.randn(n, k, generator=g, device=dev)  # fp32: the compressor's kind of weight
-    assert prefetch_bytes(dev, n * 8, k) > 0  # the prefetch is on for these shapes
-    assert in_wide_rows(m) == (m == 64)
-    x = torch.zeros(m, k, device=dev, dtype=torch.bfloat16)
-    new_x = (torch.randn(m, k, generator=g, device=dev) * 0.5).to(torch.bfloat16)
-    outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-    control_x = torch.zeros(4096, device=dev)
-    control_y = torch.full((4096,), -1.0, device=dev)
-
-    def run(value):
-        _produce_rows(x, new_x, value)
-        outs[0].copy_(fp8_block_gemm(x, w8, s8))
-        _produce_rows(x, new_x, value)
-        outs[1].copy_(stored_gemm(x, w_stored, torch.bfloat16))
-        _control(control_x, control_y, value)
-
-    run(1.0)  # compile first
-    torch.cuda.synchronize()
-    x.zero_(), control_x.zero_(), control_y.fill_(-1.0)
-    for o in outs:
-        o.zero_()
-    run(2.0)
-    torch.cuda.synchronize()
-    assert (control_y == 0).all(), "the control kernel saw the producer's writes: PDL did not overlap the launches"
-    want_x = new_x * 2.0
-    assert torch.equal(x, want_x)
-    assert torch.equal(outs[0], fp8_block_gemm(want_x, w8, s8))
-    assert torch.equal(outs[1], stored_gemm(want_x, w_stored, torch.bfloat16))
-    assert outs[0].abs().max() > 0 and outs[1].abs().max() > 0
-
-
-@triton.jit
-def _late_rows(x_ptr, src_ptr, n, value, SPIN: tl.constexpr, BLOCK: tl.constexpr):
-    """Lets dependents launch, spins ``SPIN`` ns, then writes ``src * value`` (bf16) to ``x[:n]``."""
-    tl.extra.cuda.gdc_launch_dependents()
-    start = _now()
-    t = start
-    while t - start < SPIN:
-        t = _now()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(src_ptr + offs, mask=offs < n).to(tl.float32) * value
-    tl.store(x_ptr + offs, v.to(tl.bfloat16), mask=offs < n)
-
-
-def _produce_rows(x: torch.Tensor, src: torch.Tensor, value: float):
-    x.zero_()
-    _late_rows[(triton.cdiv(x.numel(), 1024),)](x, src, x.numel(), value, SPIN=SPIN_NS, BLOCK=1024)

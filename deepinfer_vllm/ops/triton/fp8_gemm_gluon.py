@@ -50,7 +50,7 @@ import triton
 
 from deepinfer_vllm.ops.shared_input import input_form
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE, x_tile_order
-from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, gluon_prefetch_rows, pdl_args, prefetch_bytes
+from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_counters, split_k, splitk_reduce
 
 if GLUON_AVAILABLE:
@@ -200,22 +200,6 @@ if GLUON_AVAILABLE:
         return w_row_ptr, x_pair_ptr, x_mask, s_row_ptr
 
     @gluon.jit
-    def prefetch_cta_weights(
-        w_ptr, stride_wn, K, kt_per_split, pf_bytes, ROWS: gl.constexpr, PARTS: gl.constexpr, NUM_WARPS: gl.constexpr,
-        PDL: gl.constexpr,
-    ):
-        """Before the grid wait (``pdl``'s docstring: only weights): the first ``pf_bytes`` of the K range of each
-        of the CTA's ``ROWS`` weight rows (program ids: row tile, batch tile, K split) into L2 while the
-        predecessor may still run; only the first batch tile's CTAs, the others read the same bytes. Nothing
-        without PDL."""
-        if PDL:
-            kt_lo = gl.program_id(2) * kt_per_split
-            nbytes = gl.minimum(pf_bytes, gl.minimum(kt_per_split, K // _BK - kt_lo) * _BK)
-            row_ptr = w_ptr + (gl.program_id(0) * ROWS).to(gl.int64) * stride_wn + kt_lo * (_BK // 4)
-            on = (gl.program_id(1) == 0) & (nbytes > 0)
-            gluon_prefetch_rows(row_ptr, stride_wn, nbytes, on, ROWS, PARTS, NUM_WARPS)
-
-    @gluon.jit
     def _fp8_gemm_gluon_kernel(
         x_ptr,  # int32 view of bf16 x [M, groups * K]: column pairs
         w_ptr,  # int32 view of e4m3 weights [N, K / 4 words]
@@ -232,7 +216,6 @@ if GLUON_AVAILABLE:
         stride_om,
         kt_per_split,  # K tiles per split
         group_n,  # output columns per group (N when not grouped)
-        pf_bytes,  # bytes of each weight row's K range prefetched into L2 before the grid wait (``pdl``)
         WL: gl.constexpr,  # the weight words' register layout (``_word_layout``)
         WG: gl.constexpr,  # warpgroups, each 64 weight rows sharing the x tile
         BT: gl.constexpr,  # batch rows per tile (wgmma N)
@@ -244,7 +227,6 @@ if GLUON_AVAILABLE:
         X_TILED: gl.constexpr,  # x is ``x_tile_order``'s rewrite: its tiles are copied 16 bytes at a time
         PDL: gl.constexpr,
     ):
-        prefetch_cta_weights(w_ptr, stride_wn, K, kt_per_split, pf_bytes, 64 * WG, 2, 4 * WG, PDL)
         gluon_grid_wait(PDL)
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -416,7 +398,6 @@ def gluon_fp8_block_gemm(
         out.stride(0),
         k_per_split // BK,
         n // groups,
-        prefetch_bytes(xi.device, n * split, k_per_split),
         WL=_word_layout(wg),
         WG=wg,
         BT=bt,

@@ -40,7 +40,7 @@ import triton
 
 from deepinfer_vllm.ops.triton.fp8_gemm_gluon import BK, E4M3_PTX, operands_fit
 from deepinfer_vllm.ops.triton.moe_gemm_gluon import GLUON_AVAILABLE
-from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args, prefetch_bytes
+from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
 
 if GLUON_AVAILABLE:
@@ -53,7 +53,7 @@ if GLUON_AVAILABLE:
         warpgroup_mma_wait,
     )
 
-    from deepinfer_vllm.ops.triton.fp8_gemm_gluon import operand_pointers, prefetch_cta_weights
+    from deepinfer_vllm.ops.triton.fp8_gemm_gluon import operand_pointers
     from deepinfer_vllm.ops.triton.moe_gemm_gluon import issue_tile
 
 __all__ = ["gluon_fp8_wide_config", "gluon_fp8_wide_gemm", "gluon_fp8_wide_supported"]
@@ -100,14 +100,12 @@ if GLUON_AVAILABLE:
         stride_om,
         kt_per_split,  # K tiles per split
         group_n,  # output columns per group (N when not grouped)
-        pf_bytes,  # bytes of each weight row's K range prefetched into L2 before the grid wait (``pdl``)
         WGS: gl.constexpr,  # warpgroups: 64 batch rows each
         NS: gl.constexpr,  # ring stages (raw weights and x)
         SPLIT: gl.constexpr,
         OUT_BF16: gl.constexpr,
         PDL: gl.constexpr,
     ):
-        prefetch_cta_weights(w_ptr, stride_wn, K, kt_per_split, pf_bytes, _BN, WGS, 4 * WGS, PDL)
         gluon_grid_wait(PDL)
         BM: gl.constexpr = 64 * WGS
         pid_n = gl.program_id(0)
@@ -247,7 +245,6 @@ def gluon_fp8_wide_gemm(
         out.stride(0),
         k_per_split // BK,
         n // groups,
-        prefetch_bytes(xi.device, n * split, k_per_split),
         WGS=wgs,
         NS=ns,
         SPLIT=split,

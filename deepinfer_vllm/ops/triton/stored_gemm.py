@@ -63,7 +63,7 @@ from deepinfer_vllm.ops.triton.fp8_gemm import (
     pick_config,
     store_tile,
 )
-from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args, prefetch_bytes, prefetch_rows
+from deepinfer_vllm.ops.triton.pdl import grid_wait, pdl_args
 from deepinfer_vllm.ops.triton.splitk import (
     FIXUP_ROWS,
     OUT_KINDS,
@@ -153,16 +153,6 @@ def split_bf16x3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 @triton.jit
-def _prefetch_weight(w_ptr, n0, N, stride_wn, k_lo, k_hi, pf_bytes, on, BN: tl.constexpr, PDL: tl.constexpr):
-    """Before the grid wait: the first bytes of the program's weight rows ``n0 ..`` over ``k_lo .. k_hi`` into L2
-    (at most ``pf_bytes`` a row; ``pdl``'s docstring), in four parts a row; nothing without PDL."""
-    if PDL:
-        elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nbytes = tl.minimum(pf_bytes, (k_hi - k_lo) * elem_bytes)
-        prefetch_rows(w_ptr + n0.to(tl.int64) * stride_wn + k_lo, stride_wn, nbytes, N - n0, on & (nbytes > 0), BN, 4)
-
-
-@triton.jit
 def _stored_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -176,7 +166,6 @@ def _stored_gemm_kernel(
     stride_wn,
     stride_om,
     k_per_split,
-    pf_bytes,  # bytes of each weight row's K range prefetched into L2 before the grid wait (``pdl``)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -186,19 +175,18 @@ def _stored_gemm_kernel(
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
     PDL: tl.constexpr,
 ):
+    grid_wait(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    _prefetch_weight(w_ptr, pid_n * BN, N, stride_wn, k_lo, k_hi, pf_bytes, pid_m == 0, BN, PDL)
-    grid_wait(PDL)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
@@ -233,7 +221,6 @@ def _stored_gemv_kernel(
     stride_wn,
     stride_om,
     k_per_split,
-    pf_bytes,  # bytes of each weight row's K range prefetched into L2 before the grid wait (``pdl``)
     BM: tl.constexpr,  # every row of x (M <= BM <= GEMV_ROWS)
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -245,18 +232,17 @@ def _stored_gemv_kernel(
     """A few rows of x on CUDA cores: each program streams ``BN`` weight rows over its K split once,
     multiplying every row of x held in registers; one fp32 accumulator per (weight row, x row, K
     lane), summed over the lanes by a fixed tree at the end."""
+    grid_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    _prefetch_weight(w_ptr, pid_n * BN, N, stride_wn, k_lo, k_hi, pf_bytes, True, BN, PDL)
-    grid_wait(PDL)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BN, BM, BK], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
@@ -385,7 +371,6 @@ def stored_gemm(
         weight.stride(0),
         out.stride(0),
         k_per_split,
-        prefetch_bytes(x.device, n * split, k_per_split * weight.element_size()),
         SPLIT=split,
         OUT_KIND=kind,
         W_F32=w_fp32,
