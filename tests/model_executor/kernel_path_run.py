@@ -14,12 +14,14 @@ from v41_harness import PagedHarness
 from deepinfer_vllm.model_executor.layers.v41_attention import V41Attention
 from deepinfer_vllm.ops import dispatch
 
-SCHEDULE = [("a", 0, 23), ("b", 0, 9), ("a", 23, 40), ("b", 9, 31), ("a", 40, 41), ("b", 31, 32), ("a", 41, 42)]
+# Chunk ends at odd positions split ratio-2 pairs; contexts pass the window (8) and the compressed entries the
+# index's top-k (4). (Prompts of 42 and 32 tokens ran the same paths in 1.6x the time: `make test` is near its limit.)
+SCHEDULE = [("a", 0, 15), ("b", 0, 7), ("a", 15, 26), ("b", 7, 21), ("a", 26, 27), ("b", 21, 22), ("a", 27, 28)]
 
 
 def prompts() -> dict[str, list[int]]:
     out = {}
-    for rid, n, seed in (("a", 42, 11), ("b", 32, 12)):
+    for rid, n, seed in (("a", 28, 11), ("b", 22, 12)):
         g = torch.Generator().manual_seed(seed)
         out[rid] = torch.randint(3, 120000, (n,), generator=g).tolist()
     return out
