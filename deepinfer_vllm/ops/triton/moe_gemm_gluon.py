@@ -32,7 +32,8 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
   which kept ``x``'s natural column pairs for 4-byte gathers but needed a ``prmt`` and a shift more
   per register: 21 instructions for 8 codes; benchmarks/README.md.)
 * ``x`` tiles and the CTA's scale words go through shared memory (the scale words one tile ahead in
-  registers); one barrier per tile hands the ``x`` tile to the wgmma. (The dense kernel's asynchronous
+  registers); one barrier per tile hands the ``x`` tile to the wgmma (the compiler adds a second before the
+  weights are read back: it cannot tell the ring's stages apart; ``wait_tile``). (The dense kernel's asynchronous
   wgmma under the next tile's decode was measured here at 0-6% and gave wrong sums at 8-row tiles with a
   4-deep ring and split K on the H200: not kept; benchmarks/README.md, tenth session.)
 
@@ -205,10 +206,14 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def wait_tile(NS: gl.constexpr):
-        """The ring's oldest tile has landed and is visible to every warp and to the wgmma."""
+        """The ring's oldest tile has landed and is visible to every warp and to the wgmma: each thread's copies
+        done, one barrier, then the generic-to-async proxy fence (the order Triton's own pipelines emit). Barrier
+        before fence because the compiler's shared-memory barrier pass puts a barrier after every copy wait
+        anyway: with the fence first it added one more (three a K tile, now two; 1-3% of the expert GEMM's time,
+        benchmarks/README.md, twelfth session)."""
         async_copy.wait_group(NS - 2)
-        fence_async_shared()
         gl.thread_barrier()
+        fence_async_shared()
 
     @gluon.jit
     def _moe_gemm_gluon_kernel(
