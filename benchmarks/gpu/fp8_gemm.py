@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from benchmarks.gpu.common import Ceilings, Row, print_module, time_s  # noqa: E402
 from deepinfer_vllm.ops import quant  # noqa: E402
 from deepinfer_vllm.ops.triton.fp8_gemm import (  # noqa: E402
-    VENDOR_ROWS,
     _vendor_gemm,
+    dense_kernel,
     fp8_block_gemm,
-    in_wide_rows,
     pick_config,
+    weight_bytes,
 )
 
 SHAPES = [(1792, 5120), (5120, 8192), (4608, 5120)]
@@ -193,19 +193,18 @@ def run_decode(ceilings: Ceilings):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             nbytes = nbytes_w + m * k * 2 + m * n * 2
             base = gluon_fp8_config(m, n, k)
-            wide = gluon_fp8_wide_config(m, n, k)
-            wide_default = in_wide_rows(m)
+            wide_default = dense_kernel(x, *weight_bytes(w, s), torch.bfloat16) == "wide"
             variants = [("default", None), ("triton", pick_config(m, n, k))]
             variants += [("gluon async", dict(base, ASYNC=True)), ("gluon sync", dict(base, ASYNC=False))]
             variants += [(f"gluon async NS={ns}", dict(base, NS=ns, ASYNC=True)) for ns in (2, 3, 4) if ns != base["NS"]]
             variants += [(f"gluon async WG={3 - base['WG']}", dict(base, WG=3 - base["WG"], NS=3, ASYNC=True))]
             if m >= 16 and not wide_default:  # the wide kernel with one warpgroup where it is not the default
-                variants += [("wide", wide)]
+                variants += [("wide", gluon_fp8_wide_config(m, n, k))]
             for label, cfg in variants:
                 t = time_s(lambda cfg=cfg: fp8_block_gemm(x, w, s, "bf16", config=cfg))  # noqa: B023
                 yield Row(
                     kernel=f"fp8_block_gemm {label}",
-                    shape=f"M={m} N={n} K={k} ({_cfg_name(cfg or (wide if wide_default else base))})",
+                    shape=f"M={m} N={n} K={k} ({_cfg_name(cfg) if cfg else _default_kernel(x, w, s)})",
                     seconds=t,
                     bytes=nbytes,
                     flops=2 * m * n * k,
@@ -217,11 +216,17 @@ def run_decode(ceilings: Ceilings):
 MID_M = (128, 256, 512)
 
 
-def _default_kernel(m: int, n: int, k: int) -> str:
-    """Which kernel ``fp8_block_gemm`` picks for an ungrouped bf16 call of ``m`` (65 or more) rows on sm90."""
-    if in_wide_rows(m):
-        return "wide"
-    return "decoded + cuBLAS" if m >= VENDOR_ROWS else _cfg_name(pick_config(m, n, k))
+def _default_kernel(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> str:
+    """The kernel (and its tiles) ``fp8_block_gemm`` picks for the bf16 call ``x @ w`` (``fp8_gemm.dense_kernel``)."""
+    from deepinfer_vllm.ops.triton.fp8_gemm_gluon import gluon_fp8_config
+    from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_config
+
+    m, (n, k) = x.shape[0], w.shape
+    kernel = dense_kernel(x, *weight_bytes(w, s), torch.bfloat16)
+    if kernel == "vendor":
+        return "decoded + cuBLAS"
+    configs = {"wide": gluon_fp8_wide_config, "gluon": gluon_fp8_config, "triton": pick_config}
+    return f"{kernel} {_cfg_name(configs[kernel](m, n, k))}"
 
 
 def run_mid(ceilings: Ceilings):
@@ -251,7 +256,7 @@ def run_mid(ceilings: Ceilings):
             print(f"# wide M={m} N={n} K={k} {gluon_fp8_wide_config(m, n, k)}: max |wide - cuBLAS| "
                   f"{(got - ref).abs().max().item():.3g} of max |out| {ref.abs().max().item():.3g}", flush=True)
             for label, fn in variants:
-                cfg = f" ({_default_kernel(m, n, k)})" if label == "default" else ""
+                cfg = f" ({_default_kernel(x, w, s)})" if label == "default" else ""
                 yield Row(
                     kernel=f"fp8_block_gemm {label}",
                     shape=f"M={m} N={n} K={k}{cfg}",

@@ -52,8 +52,8 @@ from deepinfer_vllm.ops.triton.splitk import (
 )
 
 __all__ = [
-    "ACT_MODES", "MAX_SCALE_BYTE", "VENDOR_ROWS", "fp8_block_decode", "fp8_block_gemm", "fp32_reductions",
-    "in_wide_rows", "pick_config",
+    "ACT_MODES", "MAX_SCALE_BYTE", "VENDOR_ROWS", "dense_kernel", "fp8_block_decode", "fp8_block_gemm",
+    "fp32_reductions", "in_wide_rows", "pick_config", "weight_bytes",
 ]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -301,6 +301,21 @@ def _vendor_gemm(
     return out
 
 
+def dense_kernel(xv: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out_dtype: torch.dtype, groups: int = 1) -> str:
+    """The kernel ``fp8_block_gemm`` runs a call on when given no ``config``: "wide" (``WIDE_ROWS`` on sm90),
+    "vendor" (the decoded weight on cuBLAS, from ``VENDOR_ROWS``), "gluon" (the decode kernel on sm90) or "triton".
+    ``xv``: the activations the kernels read; ``w``, ``s``: the weight bytes (``weight_bytes``)."""
+    m = xv.shape[0]
+    gluon_out = out_dtype in (torch.float32, torch.bfloat16)
+    if in_wide_rows(m) and gluon_out and gluon_fp8_wide_supported(xv, w, s, groups):
+        return "wide"
+    if m >= (VENDOR_ROWS if groups == 1 else VENDOR_ROWS_GROUPED) and out_dtype == torch.bfloat16 and xv.is_cuda:
+        return "vendor"
+    if gluon_out and gluon_fp8_supported(xv, w, s, groups):
+        return "gluon"
+    return "triton"
+
+
 def fp8_block_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -338,19 +353,15 @@ def fp8_block_gemm(
         return out
     w, s = weight_bytes(weight, scale)
     xv = gemm_activations(x, act)
-    if config is not None and "WGS" in config or (
-        config is None
-        and in_wide_rows(m)
-        and out_dtype in (torch.float32, torch.bfloat16)
-        and gluon_fp8_wide_supported(xv, w, s, groups)
-    ):
+    if config is None:
+        kernel = dense_kernel(xv, w, s, out_dtype, groups)
+    else:
+        kernel = "wide" if "WGS" in config else "gluon" if "BT" in config else "triton"
+    if kernel == "wide":
         return gluon_fp8_wide_gemm(xv, w, s, out, groups=groups, config=config)
-    vendor_rows = VENDOR_ROWS if groups == 1 else VENDOR_ROWS_GROUPED
-    if config is None and m >= vendor_rows and out_dtype == torch.bfloat16 and x.is_cuda:
+    if kernel == "vendor":
         return _vendor_gemm(xv, w, s, out, groups)
-    if config is not None and "BT" in config or (
-        config is None and out_dtype in (torch.float32, torch.bfloat16) and gluon_fp8_supported(xv, w, s, groups)
-    ):
+    if kernel == "gluon":
         return gluon_fp8_block_gemm(xv, w, s, out, groups=groups, config=config)
     cfg, split, k_per_split = split_k(
         dict(config) if config else pick_config(m, n, k, sms=sm_count(x.device)), k
