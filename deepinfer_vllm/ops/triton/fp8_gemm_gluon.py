@@ -59,7 +59,7 @@ if GLUON_AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-    from deepinfer_vllm.ops.triton.moe_gemm_gluon import add_split_partials, issue_tile, place_fragment, wait_tile
+    from deepinfer_vllm.ops.triton.moe_gemm_gluon import issue_tile, place_fragment, wait_tile
 
 __all__ = [
     "E4M3_PTX",
@@ -313,10 +313,21 @@ if GLUON_AVAILABLE:
             gl.store(out_ptr + pid_k.to(gl.int64) * M * N + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None],
                      acc, mask=omask)
         elif SPLIT > 1:
-            add_split_partials(
-                acc, part_ptr + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None], pid_k, M, N, optr,
-                omask, counter_ptr, pid_m, pid_n, SPLIT, OUT_BF16,
-            )
+            # ``splitk.split_fixup`` in this kernel's layouts: the partial, then the last to arrive adds them all
+            part = part_ptr + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None]
+            gl.store(part + pid_k.to(gl.int64) * M * N, acc, mask=omask)
+            gl.thread_barrier()
+            tile = pid_m * gl.num_programs(0) + pid_n
+            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                total = gl.zeros([BW, BT], gl.float32, ACC)
+                for s in gl.static_range(SPLIT):
+                    total += gl.load(part + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                if OUT_BF16:
+                    gl.store(optr, total.to(gl.bfloat16), mask=omask)
+                else:
+                    gl.store(optr, total, mask=omask)
+                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
         else:
             if OUT_BF16:
                 gl.store(optr, acc.to(gl.bfloat16), mask=omask)

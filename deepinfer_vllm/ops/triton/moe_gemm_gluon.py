@@ -3,9 +3,7 @@
 Same arguments and numbers as ``moe_gemm.grouped_fp4_gemm`` (and its reference
 ``ops.quant_gemm.grouped_fp4_gemm``): rows ``offsets[e]:offsets[e+1]`` of ``x`` times expert ``e``'s
 decoded weight, fp32 accumulation, one rounding, zeros past ``offsets[-1]``; the same persistent walk
-over row tiles (no host synchronisation, capturable) and the same split-K sums: up to ``splitk.FIXUP_ROWS``
-token rows a tile each tile's last program adds them in split order (``splitk.split_fixup``'s scheme, no second
-launch; the rows past the last expert zeroed by the first split), above that ``splitk_reduce``; the same bits.
+over row tiles (no host synchronisation, capturable) and the same split-K reduction.
 
 Why a second kernel: the Triton kernel decodes E2M1 in registers, but Triton then moves the decoded
 bf16 tile through shared memory (``ldmatrix``) into the MMA's register operand: about ten bytes of
@@ -53,7 +51,7 @@ import triton.language as tl
 from deepinfer_vllm.ops.quant_gemm import tile_order_columns
 from deepinfer_vllm.ops.shared_input import input_form
 from deepinfer_vllm.ops.triton.pdl import gluon_grid_wait, grid_wait, pdl_args
-from deepinfer_vllm.ops.triton.splitk import FIXUP_ROWS, sm_count, split_counters, split_k, splitk_reduce
+from deepinfer_vllm.ops.triton.splitk import sm_count, split_k, splitk_reduce
 
 try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
     from triton.experimental import gluon
@@ -207,27 +205,6 @@ if GLUON_AVAILABLE:
         async_copy.commit_group()
 
     @gluon.jit
-    def add_split_partials(acc, part, pid_k, rows, cols, optr, omask, counter_ptr, row_tile, pid_n,
-                           SPLIT: gl.constexpr, OUT_BF16: gl.constexpr):
-        """``splitk.split_fixup`` in the Gluon kernels' layouts: store this split's partial tile ``acc`` at
-        ``part`` in the workspace ``[SPLIT, rows, cols]``, count the arrival in the counter of the tile (``row_tile``,
-        ``pid_n``); the last of the ``SPLIT`` programs to arrive adds the partials in split order (the bits of
-        ``splitk_reduce``), stores the tile at ``optr`` and leaves the counter at zero."""
-        gl.store(part + pid_k.to(gl.int64) * rows * cols, acc, mask=omask)
-        gl.thread_barrier()  # every thread's partial is written before the arrival is counted
-        counter = counter_ptr + (row_tile * gl.num_programs(0) + pid_n)
-        arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            total = gl.zeros_like(acc)
-            for sp in gl.static_range(SPLIT):
-                total += gl.load(part + sp * rows * cols, mask=omask, other=0.0, cache_modifier=".cg")
-            if OUT_BF16:
-                gl.store(optr, total.to(gl.bfloat16), mask=omask)
-            else:
-                gl.store(optr, total, mask=omask)
-            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-    @gluon.jit
     def wait_tile(NS: gl.constexpr):
         """The ring's oldest tile has landed and is visible to every warp and to the wgmma: each thread's copies
         done, one barrier, then the generic-to-async proxy fence (the order Triton's own pipelines emit). Barrier
@@ -245,9 +222,7 @@ if GLUON_AVAILABLE:
         w_ptr,  # int32 view of packed weights [E, N, K/8 words]
         ws_ptr,  # int32 view of scales [E, N, K/128 words]
         off_ptr,
-        out_ptr,  # SPLIT > 1 and not FIXUP: fp32 partials [SPLIT, R, N] (``splitk_reduce`` adds them)
-        part_ptr,  # FIXUP: fp32 partials [SPLIT, R, N], added by each tile's last program
-        counter_ptr,  # FIXUP: the tiles' arrival counters (``splitk.split_fixup``)
+        out_ptr,
         R,
         N,
         K,
@@ -266,8 +241,7 @@ if GLUON_AVAILABLE:
         SPLIT: gl.constexpr,
         OUT_BF16: gl.constexpr,
         GATHER: gl.constexpr,
-        ZERO_REST: gl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1 or FIXUP)
-        FIXUP: gl.constexpr,  # SPLIT > 1: the tile's last program adds the partials (else ``splitk_reduce``)
+        ZERO_REST: gl.constexpr,  # False: rows past offsets[E] are left unwritten (SPLIT == 1)
         PDL: gl.constexpr,
     ):
         gluon_grid_wait(PDL)
@@ -307,7 +281,7 @@ if GLUON_AVAILABLE:
         nblk = gl.where(emask, (gl.maximum(hi - lo, 0) + BT - 1) // BT, 0)
         cum = gl.associative_scan(nblk, 0, _add)
         total = gl.sum(nblk, 0)
-        if (SPLIT == 1 or FIXUP) and ZERO_REST:
+        if SPLIT == 1 and ZERO_REST:
             end = total + (gl.maximum(R - gl.load(off_ptr + E).to(gl.int32), 0) + BT - 1) // BT
         else:
             end = total
@@ -371,7 +345,7 @@ if GLUON_AVAILABLE:
                     acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
                 # epilogue: acc[n, token]
                 omask = (row0 + a_c < row_end)[None, :] & (a_r < 64)[:, None]
-                if SPLIT > 1 and not FIXUP:
+                if SPLIT > 1:
                     optr = (
                         out_ptr
                         + pid_k.to(gl.int64) * R * N
@@ -379,32 +353,17 @@ if GLUON_AVAILABLE:
                         + (n0 + a_r)[:, None]
                     )
                     gl.store(optr, acc, mask=omask)
-                elif SPLIT > 1:
-                    add_split_partials(
-                        acc,
-                        part_ptr + (row0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None],
-                        pid_k,
-                        R,
-                        N,
-                        out_ptr + (row0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None],
-                        omask,
-                        counter_ptr,
-                        t,
-                        pid_n,
-                        SPLIT,
-                        OUT_BF16,
-                    )
                 else:
                     optr = out_ptr + (row0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
                     if OUT_BF16:
                         gl.store(optr, acc.to(gl.bfloat16), mask=omask)
                     else:
                         gl.store(optr, acc, mask=omask)
-            elif SPLIT == 1 or FIXUP:
-                # past the last expert tile: zero the rows after offsets[E] (the first split writes them)
+            elif SPLIT == 1:
+                # past the last expert tile: zero the rows after offsets[E]
                 zr = gl.load(off_ptr + E).to(gl.int32) + (t - total) * BT + a_c
                 optr = out_ptr + zr.to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
-                zmask = (zr < R)[None, :] & (a_r < 64)[:, None] & (pid_k == 0)
+                zmask = (zr < R)[None, :] & (a_r < 64)[:, None]
                 z = gl.zeros([64, BT], gl.float32, ACC)
                 if OUT_BF16:
                     gl.store(optr, z.to(gl.bfloat16), mask=zmask)
@@ -453,9 +412,7 @@ def gluon_grouped_fp4_gemm(
     bt, ns = cfg["BT"], cfg.get("NS", 3)
     _, split, k_per_split = split_k({"BK": BK, "SPLIT": cfg.get("SPLIT", 1)}, k)
     kt_per_split = k_per_split // BK
-    fixup = split > 1 and cfg.get("FIXUP", bt <= FIXUP_ROWS)
-    part = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    target = out if split == 1 or fixup else part
+    target = torch.empty(split, r, n, dtype=torch.float32, device=x.device) if split > 1 else out
     n_tiles = n // BM
     row_tiles = min(r, triton.cdiv(r, bt) + e_count + 1)
     grid_m = cfg.get("GRID_M") or max(1, min(row_tiles, _PROGRAMS_PER_SM * sms // (n_tiles * split)))
@@ -474,8 +431,6 @@ def gluon_grouped_fp4_gemm(
         si,
         expert_offsets,
         target,
-        part,
-        split_counters(x.device, n_tiles * row_tiles) if fixup else part,
         r,
         n,
         k,
@@ -495,11 +450,10 @@ def gluon_grouped_fp4_gemm(
         OUT_BF16=out.dtype == torch.bfloat16,
         GATHER=rows is not None,
         ZERO_REST=zero_rest,
-        FIXUP=fixup,
         num_warps=4,
         maxnreg=cfg.get("MAXNREG"),
         **pdl_args(xi.device),
     )
-    if split > 1 and not fixup:
-        splitk_reduce(part, out, expert_offsets[e_count:])
+    if split > 1:
+        splitk_reduce(target, out, expert_offsets[e_count:])
     return out
