@@ -543,6 +543,12 @@ def main() -> None:
         help="also time each graphed case with the wide dense GEMM kernel for LO <= rows < HI (fp8_gemm.WIDE_ROWS)",
     )
     parser.add_argument(
+        "--ws-baseline",
+        action="store_true",
+        help="also time each graphed case with the routed-expert GEMM's cp.async kernel instead of the "
+        "warp-specialised one (ops/triton/moe_gemm_gluon.py, WS_MAX_ROWS = 0)",
+    )
+    parser.add_argument(
         "--pdl-baseline",
         action="store_true",
         help="also time each graphed case with programmatic dependent launch off (ops/triton/pdl.py)",
@@ -597,24 +603,25 @@ def main() -> None:
 
     def graphed_rows(case, forward, reps, nbytes, flops):
         """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, with ``--wide-baseline``
-        without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), with ``--wide-rows`` with its rows
-        window, in the same run."""
-        from deepinfer_vllm.ops.triton import fp8_gemm, pdl
+        without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), with ``--ws-baseline`` with the expert
+        GEMM's cp.async kernel, with ``--wide-rows`` with its rows window, in the same run."""
+        from deepinfer_vllm.ops.triton import fp8_gemm, moe_gemm_gluon, pdl
 
-        wide_rows = fp8_gemm.WIDE_ROWS
-        modes = [("graphed", True, wide_rows)]
-        modes += [("no PDL", False, wide_rows)] if args.pdl_baseline else []
-        modes += [("no wide", True, (0, 0))] if args.wide_baseline else []
+        wide_rows, ws_rows = fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS
+        modes = [("graphed", True, wide_rows, ws_rows)]
+        modes += [("no PDL", False, wide_rows, ws_rows)] if args.pdl_baseline else []
+        modes += [("no wide", True, (0, 0), ws_rows)] if args.wide_baseline else []
+        modes += [("no WS", True, wide_rows, 0)] if args.ws_baseline else []
         if args.wide_rows:
             lo, hi = (int(v) for v in args.wide_rows.split(","))
-            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi))]
-        for mode, enabled, rows in modes:
-            pdl.ENABLED, fp8_gemm.WIDE_ROWS = enabled, rows
+            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi), ws_rows)]
+        for mode, enabled, rows, ws in modes:
+            pdl.ENABLED, fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS = enabled, rows, ws
             try:
                 replay = graphed(forward)  # (its warm-up compiles this mode's kernels outside the capture)
                 report(case, mode, timed(replay, reps, device), nbytes, flops)
             finally:
-                pdl.ENABLED, fp8_gemm.WIDE_ROWS = True, wide_rows
+                pdl.ENABLED, fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS = True, wide_rows, ws_rows
             del replay
             torch.cuda.empty_cache()
 

@@ -13,8 +13,10 @@ act="mxfp8" rows include the Triton activation quantiser.
 ``python benchmarks/gpu/moe_gemm.py --decode``: the decode rows of issue 34 only: at 1 / 4 / 16 / 64 /
 256 tokens, w13 and w2, ``grouped_fp4_gemm`` (both acts) beside a plain reader of the same expert bytes
 (``read experts``: one program per 16 KB of each touched expert's packed weight and scales,
-XOR-reduced). Same timing as every row (CUDA graph, L2 flushed before each call), same byte count,
-% of copy. ``--decode --ab FILE``: also the Gluon wrapper of another copy of ``moe_gemm_gluon.py`` (for
+XOR-reduced), the Triton kernel, the Gluon cp.async kernel (``gluon cp.async``: the decode default before the
+warp-specialised one) and three warp-specialised variants (ring depth, registers at launch / the producer's).
+Same timing as every row (CUDA graph, L2 flushed before each call), same byte count, % of copy.
+``--decode --ab FILE``: also the Gluon wrapper of another copy of ``moe_gemm_gluon.py`` (for
 instance
 ``git show REV:deepinfer_vllm/ops/triton/moe_gemm_gluon.py > build/diag/moe_gemm_gluon_b.py``) on the same
 inputs and its own default config, act=bf16 (``gluon other``), with the largest difference of the two outputs
@@ -175,8 +177,11 @@ def run_decode(ceilings: Ceilings):
             # the same call on the Triton kernel (design 2) and on Gluon ring depths, act=bf16
             base = gluon_config(r, LOCAL, n, k)
             variants = [("triton", moe_config(r, LOCAL, n, k))]
-            rings = ((4, 96), (3, None), (6, 96))
-            variants += [(f"gluon NS={ns} maxnreg={m}", dict(base, NS=ns, MAXNREG=m)) for ns, m in rings]
+            # the cp.async kernel (every warp copies and decodes; the default before the warp-specialised one)
+            variants += [("gluon cp.async NS=3 maxnreg=96", dict(base, WS=False, NS=3, MAXNREG=96))]
+            ws = ((3, 64, 40), (6, 64, 40), (4, 80, 40))
+            variants += [(f"gluon WS NS={ns} maxnreg={m}/{lr}", dict(base, WS=True, NS=ns, MAXNREG=m, LOAD_REGS=lr))
+                         for ns, m, lr in ws]
             for label, cfg in variants:
                 t = time_s(lambda cfg=cfg: grouped_fp4_gemm(x, offs, w, s, "bf16", config=cfg))  # noqa: B023
                 yield Row(

@@ -236,7 +236,9 @@ class GroupedExpertGemm(ActivationsGemm):
     offsets on the host) or the Triton kernel (``ops/triton/moe_gemm.py``, no host
     synchronisation). Activations as ``DEEPINFER_GEMM_ACTIVATIONS`` says, read when built.
     ``zero_rest=False``: the rows past ``offsets[-1]`` are unspecified (the kernel leaves them
-    unwritten; the reference zeros them), for callers that never read them."""
+    unwritten; the reference zeros them), for callers that never read them. ``local_rows``: how many
+    rows the caller expects before ``offsets[-1]`` (its estimate; the kernel picks its tiles by it
+    instead of by R)."""
 
     name = "moe_grouped_gemm"
     kernel_modules = {"triton": "deepinfer_vllm.ops.triton.moe_gemm"}
@@ -250,18 +252,20 @@ class GroupedExpertGemm(ActivationsGemm):
         return self.act == "bf16" and bool(reads and reads(weight))
 
     def forward_native(
-        self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True, x_tile_ordered=False
+        self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True, x_tile_ordered=False,
+        local_rows=None,
     ):
         return quant_gemm.grouped_fp4_gemm(
             x, offsets, weight, scale, self.act, out_dtype, rows=rows, x_tile_ordered=x_tile_ordered
         )
 
     def forward_triton(
-        self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True, x_tile_ordered=False
+        self, x, offsets, weight, scale, out_dtype=None, rows=None, zero_rest=True, x_tile_ordered=False,
+        local_rows=None,
     ):
         return self.kernels.grouped_fp4_gemm(
             x, offsets, weight, scale, self.act, out_dtype, rows=rows, zero_rest=zero_rest,
-            x_tile_ordered=x_tile_ordered,
+            x_tile_ordered=x_tile_ordered, local_rows=local_rows,
         )
 
 

@@ -20,7 +20,7 @@ from test_fp8_gemm import ACTS, check, make_x
 
 from deepinfer_vllm.ops import quant, quant_gemm
 from deepinfer_vllm.ops.triton.moe_gemm import grouped_fp4_gemm
-from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_moe_supported
+from deepinfer_vllm.ops.triton.moe_gemm_gluon import gluon_config, gluon_moe_supported
 
 
 @functools.lru_cache(maxsize=2)
@@ -287,6 +287,10 @@ GLUON_CONFIGS = [
     dict(BT=64, SPLIT=2),
     dict(BT=32, SPLIT=1),
     dict(BT=16, SPLIT=2, NS=4),
+    dict(BT=8, SPLIT=1, WS=True, NS=4, MAXNREG=64, LOAD_REGS=40),
+    dict(BT=16, SPLIT=4, NS=4, WS=True, MAXNREG=64, LOAD_REGS=40),
+    dict(BT=32, SPLIT=2, WS=True),
+    dict(BT=64, SPLIT=1, NS=6, WS=True, MAXNREG=96),
 ]
 
 
@@ -301,7 +305,7 @@ def test_moe_gemm_gluon_rows_read_in_place_is_bit_identical(device, gather, e, n
     x = make_x(r, k, seed=r, device=device)
     offs = make_offsets(e, r, seed=r + e, device=device, tail=3)
     rows = torch.randperm(r, device=device) if gather else None
-    for base in (dict(BT=64, SPLIT=1), dict(BT=32, SPLIT=2), dict(BT=8, SPLIT=1, MAXNREG=96)):
+    for base in (dict(BT=64, SPLIT=1), dict(BT=32, SPLIT=2), dict(BT=8, SPLIT=1, MAXNREG=96), dict(BT=16, WS=True)):
         got = grouped_fp4_gemm(x, offs, w, s, "bf16", torch.float32, rows=rows, config=base)
         x_in = x[rows] if gather else x.clone()
         want = grouped_fp4_gemm(x_in, offs, w, s, "bf16", torch.float32, config=base)
@@ -326,6 +330,28 @@ def test_moe_gemm_gluon_matches_reference(device, act, out_dtype, cfg, e, n, k, 
     got = grouped_fp4_gemm(x, offs, w, s, act, out_dtype, config=GLUON_CONFIGS[cfg])
     ref = quant_gemm.grouped_fp4_gemm(x, offs, w, s, act, torch.float32)
     check_grouped(got, ref, x, act, w, s, offs)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_moe_gemm_local_rows_sizes_tiles_only(device, gather):
+    """``local_rows`` (the rows a caller expects before ``offsets[-1]``; the MoE layer's estimate when the other
+    ranks' pairs sit past it) picks the tiles for those rows, not for R: the expert rows still equal the
+    reference and the rows past ``offsets[-1]`` are zero; on an sm90 GPU the Gluon tile is the one the rows ask
+    for (an 8-row warp-specialised tile for 4 rows an expert, a 32-row one for R's 32)."""
+    e, n, k = 6, 128, 256
+    r = 6 * 32 if not INTERPRET else 6 * 8
+    local = r // 8
+    w, s = make_experts(e, n, k, seed=11, device=device)
+    x = make_x(r, k, seed=5, device=device)
+    offs = make_offsets(e, r, seed=7, device=device, tail=r - local)
+    rows = torch.randperm(r, device=device) if gather else None
+    got = grouped_fp4_gemm(x, offs, w, s, "bf16", torch.float32, rows=rows, local_rows=local)
+    xr = x[rows] if gather else x
+    ref = quant_gemm.grouped_fp4_gemm(xr, offs, w, s, "bf16", torch.float32)
+    check_grouped(got, ref, xr, "bf16", w, s, offs)
+    if not INTERPRET:
+        assert gluon_config(local, e, n, k)["BT"] == 8 and gluon_config(local, e, n, k)["WS"]
+        assert gluon_config(r, e, n, k)["BT"] == 32
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")

@@ -277,8 +277,11 @@ class RoutedExperts(nn.Module):
         # paths (split experts, per-pair outputs), which need them zero: the gate/up GEMM leaves
         # them unwritten, the activation uncomputed (the down projection reads no row past
         # offsets[-1]), the down projection zero only for those paths (the expert sum skips them).
+        # the rows this rank's experts expect (routing spread evenly): what the kernels size their tiles by
+        local_rows = -(-groups.rows.shape[0] * len(self.local) // self.n_physical)
         gate_up = gemm(
-            x, groups.offsets, self.w13, self.w13_scale, x.dtype, rows=groups.rows, zero_rest=False
+            x, groups.offsets, self.w13, self.w13_scale, x.dtype, rows=groups.rows, zero_rest=False,
+            local_rows=local_rows,
         )
         gate, up = gate_up.split(self.width, dim=-1)
         tiled = self.act_tile_order
@@ -287,7 +290,7 @@ class RoutedExperts(nn.Module):
         down_dtype = acc if self.split else x.dtype
         down = gemm(
             act, groups.offsets, self.w2, self.w2_scale, down_dtype, zero_rest=pair_order,
-            x_tile_ordered=tiled
+            x_tile_ordered=tiled, local_rows=local_rows,
         )
         if pair_order:
             per_pair = groups.in_pair_order(down)

@@ -398,6 +398,7 @@ def grouped_fp4_gemm(
     rows: torch.Tensor | None = None,
     zero_rest: bool = True,
     x_tile_ordered: bool = False,
+    local_rows: int | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``[R, N]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` of ``x [R, K]`` (or, with
@@ -409,7 +410,9 @@ def grouped_fp4_gemm(
     unwritten (for a caller that never reads them: other ranks' pairs, whose zeros cost a full
     write of ``[R - offsets[-1], N]`` at prefill). ``x_tile_ordered``: ``x``'s columns are in the
     staging order (``reads_tile_order``); where this kernel runs instead of the Gluon one, or with
-    ``act="mxfp8"``, they are put back first. ``config`` overrides the tile choice (tests, benchmarks)."""
+    ``act="mxfp8"``, they are put back first. ``local_rows``: the rows the caller expects before
+    ``expert_offsets[-1]`` (default R): the tiles are picked for that many rows (an estimate; any value gives a
+    correct result). ``config`` overrides the tile choice (tests, benchmarks)."""
     e_count, n, _ = weight.shape
     k = x.shape[1]
     check_grouped_args(x, expert_offsets, weight, scale, act)
@@ -425,11 +428,11 @@ def grouped_fp4_gemm(
     if config is not None and "BT" in config or config is None and _use_gluon(xv, w, out):
         return gluon_grouped_fp4_gemm(
             xv, expert_offsets, w, s, out, rows=rows, zero_rest=zero_rest, x_tile_ordered=x_tile_ordered,
-            config=config,
+            local_rows=local_rows, config=config,
         )
     if x_tile_ordered:
         xv = from_tile_order(xv)
-    cfg = dict(config) if config else moe_config(r, e_count, n, k, sm_count(x.device))
+    cfg = dict(config) if config else moe_config(local_rows or r, e_count, n, k, sm_count(x.device))
     cfg["BK"] = tile_k(k, cfg["BK"])
     cfg, split, k_per_split = split_k(cfg, k)
     kind = OUT_KINDS[out_dtype]

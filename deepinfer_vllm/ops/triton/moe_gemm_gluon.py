@@ -36,6 +36,13 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
   weights are read back: it cannot tell the ring's stages apart; ``wait_tile``). (The dense kernel's asynchronous
   wgmma under the next tile's decode was measured here at 0-6% and gave wrong sums at 8-row tiles with a
   4-deep ring and split K on the H200: not kept; benchmarks/README.md, tenth session.)
+* Two forms of that loop. Token tiles of up to ``WS_MAX_ROWS`` (decode) run it warp-specialised
+  (``_moe_gemm_ws_kernel``): one producer warp fills the ring (the 64 weight rows' bytes of a K tile by one TMA,
+  the ``x`` rows by 16-byte cp.async gathers) and the warpgroup only waits on the stage's mbarrier, reads its
+  bytes, decodes and multiplies, then frees the stage; its instruction count per K tile falls only ~6% (the decode
+  is most of it), but its warps no longer stall on their own copies: 13-21% less time at 1-256 tokens for w13,
+  5-16% for w2 (H100; benchmarks/README.md, thirteenth session). Larger tiles (prefill) stay on ``_moe_gemm_gluon_kernel``, where
+  every thread copies its own bytes (the warp-specialised form measured 3-4x slower at 64-row tiles).
 
 Only for K a multiple of 128, N a multiple of 64. sm90 only. Row tiles of up to 64 token rows (the
 wgmma's N); prefill walks several per expert, each decoding the expert's weights again (at 8192
@@ -59,8 +66,11 @@ try:  # Gluon ships with Triton >= 3.5; this file targets the Hopper API of 3.6
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
+        tma,
         warpgroup_mma,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -100,6 +110,9 @@ E2M1_PAIR_PTX = "{\n.reg .b32 v, t;\nshr.b32 v, $8, 8;\n" + "".join(_pair_ptx(j)
 BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
 BK = 128  # K per tile: 16 packed bytes = one scale block per lane and row
 _PROGRAMS_PER_SM = 16
+# Token tiles of up to this many rows run the warp-specialised kernel (``_moe_gemm_ws_kernel``), larger ones the
+# cp.async kernel (``_moe_gemm_gluon_kernel``); 0: the cp.async kernel everywhere (``gpu_model.py --ws-baseline``).
+WS_MAX_ROWS = 32
 # (row, 128-column tile) items per program of x_tile_order: 8 KB in, 8 KB out (H200, 8192 tokens: 147 us for the
 # experts' two rewrites against 231 with one 2 KB program per row and 8 tiles; at 64 rows 2.6 us a call against 1.6).
 _ORDER_ITEMS = 32
@@ -216,6 +229,106 @@ if GLUON_AVAILABLE:
         fence_async_shared()
 
     @gluon.jit
+    def _walk(off_ptr, E, R, ROW_TILES, EP: gl.constexpr, BT: gl.constexpr, SPLIT: gl.constexpr,
+              ZERO_REST: gl.constexpr, EL: gl.constexpr):
+        """Each expert's row tiles, from the offsets (no host read): per expert (``EL``, ``[EP]``) its rows
+        ``lo .. hi``, its tiles ``nblk`` and their running sum ``cum``; the tiles with work (``total``) and the
+        tiles to visit (``end``: with the zero tiles past ``offsets[E]``)."""
+        eidx = gl.arange(0, EP, layout=EL)
+        emask = eidx < E
+        lo = gl.load(off_ptr + eidx, mask=emask, other=0).to(gl.int32)
+        hi = gl.load(off_ptr + eidx + 1, mask=emask, other=0).to(gl.int32)
+        nblk = gl.where(emask, (gl.maximum(hi - lo, 0) + BT - 1) // BT, 0)
+        cum = gl.associative_scan(nblk, 0, _add)
+        total = gl.sum(nblk, 0)
+        if SPLIT == 1 and ZERO_REST:
+            end = total + (gl.maximum(R - gl.load(off_ptr + E).to(gl.int32), 0) + BT - 1) // BT
+        else:
+            end = total
+        return eidx, lo, hi, nblk, cum, total, gl.minimum(end, ROW_TILES)
+
+    @gluon.jit
+    def _walk_tile(t, eidx, lo, hi, nblk, cum, BT: gl.constexpr):
+        """Row tile ``t`` (< total): its expert, first grouped row and the expert's end."""
+        e = gl.sum((cum <= t).to(gl.int32), 0)
+        sel = eidx == e
+        row0 = gl.sum(gl.where(sel, lo, 0), 0) + (t - gl.sum(gl.where(sel, cum - nblk, 0), 0)) * BT
+        return e, row0, gl.sum(gl.where(sel, hi, 0), 0)
+
+    # Words [64, 16]: lane q = lane % 4 holds words 4q..4q+3 (registers t) of rows 16 warp + lane // 4 and + 8, the
+    # rows and K columns of its wgmma A fragment.
+    _WL = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[64, 16],
+        )
+    )
+
+    @gluon.jit
+    def _tile_mma(words, sw, shift, x_tile, acc, BT: gl.constexpr, XS: gl.constexpr, DOT_A: gl.constexpr):
+        """One K tile: the lanes' weight words (``_WL``) decoded with their rows' scale words ``sw`` (lane ``q``
+        takes byte ``q``: ``shift``) into the A fragment, times the stage's ``x`` words (``[BT, 64]`` int32)."""
+        sb = (sw[:, None] >> shift[None, :]) & 0xFF
+        f = sb * 0x00800080 + 0x3F003F00
+        a = _decode_tile(words, f, DOT_A)
+        xb = x_tile._reinterpret(gl.bfloat16, [BT, 128], XS)
+        return warpgroup_mma(a, xb.permute((1, 0)), acc)
+
+    @gluon.jit
+    def _program_tiles(pid_n, pid_k, kt_per_split, K):
+        """The program's first weight row, its split's first K tile and its number of K tiles."""
+        kt_lo = pid_k * kt_per_split
+        return pid_n * _BM, kt_lo, gl.minimum(kt_per_split, K // _BK - kt_lo)
+
+    @gluon.jit
+    def _x_rows(row0, row_end, x_r, x_c, x_ptr, rows_ptr, stride_xm, kt_lo, GATHER: gl.constexpr):
+        """A row tile's ``x`` words of its split's first K tile (``[BT, 64]``, the layout of ``x_r`` / ``x_c``) and
+        the mask of its rows (``GATHER``: grouped row ``i`` reads row ``rows[i]`` of ``x``)."""
+        tok = row0 + x_r
+        if GATHER:
+            tok_x = gl.load(rows_ptr + tok, mask=tok < row_end, other=0)
+        else:
+            tok_x = tok
+        x_mask = (tok < row_end)[:, None] & (x_c < 64)[None, :]
+        return x_ptr + tok_x.to(gl.int64)[:, None] * stride_xm + (kt_lo * (_BK // 2) + x_c)[None, :], x_mask
+
+    @gluon.jit
+    def _store_tile(acc, row0, row_end, n0, a_r, a_c, pid_k, out_ptr, R, N, stride_om, SPLIT: gl.constexpr,
+                    OUT_BF16: gl.constexpr):
+        """A row tile's ``acc [64 weight rows, BT tokens]``: its split's fp32 partials, or the output rows."""
+        omask = (row0 + a_c < row_end)[None, :] & (a_r < 64)[:, None]
+        if SPLIT > 1:
+            optr = (
+                out_ptr
+                + pid_k.to(gl.int64) * R * N
+                + (row0 + a_c).to(gl.int64)[None, :] * N
+                + (n0 + a_r)[:, None]
+            )
+            gl.store(optr, acc, mask=omask)
+        else:
+            optr = out_ptr + (row0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
+            if OUT_BF16:
+                gl.store(optr, acc.to(gl.bfloat16), mask=omask)
+            else:
+                gl.store(optr, acc, mask=omask)
+
+    @gluon.jit
+    def _zero_tile(t, total, n0, a_r, a_c, off_ptr, E, out_ptr, R, stride_om, BT: gl.constexpr,
+                   OUT_BF16: gl.constexpr, ACC: gl.constexpr):
+        """Tile ``t`` past the last expert tile: zero its rows after ``offsets[E]``."""
+        zr = gl.load(off_ptr + E).to(gl.int32) + (t - total) * BT + a_c
+        optr = out_ptr + zr.to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
+        zmask = (zr < R)[None, :] & (a_r < 64)[:, None]
+        z = gl.zeros([64, BT], gl.float32, ACC)
+        if OUT_BF16:
+            gl.store(optr, z.to(gl.bfloat16), mask=zmask)
+        else:
+            gl.store(optr, z, mask=zmask)
+
+    @gluon.jit
     def _moe_gemm_gluon_kernel(
         x_ptr,  # int32 view of bf16 x [R, K] (or [T, K] read through rows_ptr): column pairs
         rows_ptr,  # GATHER: the row of x each grouped row reads
@@ -250,15 +363,7 @@ if GLUON_AVAILABLE:
         grid_m = gl.num_programs(1)
         pid_k = gl.program_id(2)
 
-        # Layouts. Words [64, 16]: lane q = lane % 4 holds words 4q..4q+3 (registers t) of rows
-        # 16 warp + lane // 4 and + 8, the rows and K columns of its wgmma A fragment.
-        WL: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]],
-            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]],
-            block_bases=[],
-            shape=[64, 16],
-        )
+        WL: gl.constexpr = _WL
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16]
         )
@@ -273,23 +378,9 @@ if GLUON_AVAILABLE:
         w_s = gl.allocate_shared_memory(gl.int32, [NS, 64, 16], PLAIN2)
         x_s = gl.allocate_shared_memory(gl.int32, [NS, BT, 64], XS32)
 
-        # Each expert's row tiles, from the offsets (no host read).
-        eidx = gl.arange(0, EP, layout=EL)
-        emask = eidx < E
-        lo = gl.load(off_ptr + eidx, mask=emask, other=0).to(gl.int32)
-        hi = gl.load(off_ptr + eidx + 1, mask=emask, other=0).to(gl.int32)
-        nblk = gl.where(emask, (gl.maximum(hi - lo, 0) + BT - 1) // BT, 0)
-        cum = gl.associative_scan(nblk, 0, _add)
-        total = gl.sum(nblk, 0)
-        if SPLIT == 1 and ZERO_REST:
-            end = total + (gl.maximum(R - gl.load(off_ptr + E).to(gl.int32), 0) + BT - 1) // BT
-        else:
-            end = total
-        end = gl.minimum(end, ROW_TILES)
+        eidx, lo, hi, nblk, cum, total, end = _walk(off_ptr, E, R, ROW_TILES, EP, BT, SPLIT, ZERO_REST, EL)
 
-        n0 = pid_n * _BM
-        kt_lo = pid_k * kt_per_split
-        n_kt = gl.minimum(kt_per_split, K // _BK - kt_lo)
+        n0, kt_lo, n_kt = _program_tiles(pid_n, pid_k, kt_per_split, K)
 
         # Per-thread index tensors.
         w_r = gl.arange(0, 64, layout=gl.SliceLayout(1, WL))
@@ -302,25 +393,14 @@ if GLUON_AVAILABLE:
 
         for t in range(pid_m, end, grid_m):
             if t < total:
-                e = gl.sum((cum <= t).to(gl.int32), 0)
-                sel = eidx == e
-                row0 = gl.sum(gl.where(sel, lo, 0), 0) + (t - gl.sum(gl.where(sel, cum - nblk, 0), 0)) * BT
-                row_end = gl.sum(gl.where(sel, hi, 0), 0)
+                e, row0, row_end = _walk_tile(t, eidx, lo, hi, nblk, cum, BT)
                 w_row_ptr = (
                     w_ptr
                     + e.to(gl.int64) * stride_we
                     + (n0 + w_r).to(gl.int64)[:, None] * stride_wn
                     + (kt_lo * (_BK // 8) + w_c)[None, :]
                 )
-                tok = row0 + x_r
-                if GATHER:
-                    tok_x = gl.load(rows_ptr + tok, mask=tok < row_end, other=0)
-                else:
-                    tok_x = tok
-                x_mask = (tok < row_end)[:, None] & (x_c < 64)[None, :]
-                x_pair_ptr = (
-                    x_ptr + tok_x.to(gl.int64)[:, None] * stride_xm + (kt_lo * (_BK // 2) + x_c)[None, :]
-                )
+                x_pair_ptr, x_mask = _x_rows(row0, row_end, x_r, x_c, x_ptr, rows_ptr, stride_xm, kt_lo, GATHER)
                 # each row's scale word of a K tile (lane q takes byte q), one tile ahead in registers
                 s_row_ptr = (
                     ws_ptr + e.to(gl.int64) * stride_wse + (n0 + w_r).to(gl.int64) * stride_wsn + kt_lo
@@ -337,50 +417,171 @@ if GLUON_AVAILABLE:
                     issue_tile(w_s, x_s, nxt, n_kt, NS, w_row_ptr, _BK // 8, x_pair_ptr, x_mask)
                     sw = sw_next
                     sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
-                    words = w_s.index(stage).load(WL)
-                    sb = (sw[:, None] >> shift[None, :]) & 0xFF
-                    f = sb * 0x00800080 + 0x3F003F00
-                    a = _decode_tile(words, f, DOT_A)
-                    xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
-                    acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
-                # epilogue: acc[n, token]
-                omask = (row0 + a_c < row_end)[None, :] & (a_r < 64)[:, None]
-                if SPLIT > 1:
-                    optr = (
-                        out_ptr
-                        + pid_k.to(gl.int64) * R * N
-                        + (row0 + a_c).to(gl.int64)[None, :] * N
-                        + (n0 + a_r)[:, None]
-                    )
-                    gl.store(optr, acc, mask=omask)
-                else:
-                    optr = out_ptr + (row0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
-                    if OUT_BF16:
-                        gl.store(optr, acc.to(gl.bfloat16), mask=omask)
-                    else:
-                        gl.store(optr, acc, mask=omask)
+                    acc = _tile_mma(w_s.index(stage).load(WL), sw, shift, x_s.index(stage), acc, BT, XS, DOT_A)
+                _store_tile(acc, row0, row_end, n0, a_r, a_c, pid_k, out_ptr, R, N, stride_om, SPLIT, OUT_BF16)
             elif SPLIT == 1:
-                # past the last expert tile: zero the rows after offsets[E]
-                zr = gl.load(off_ptr + E).to(gl.int32) + (t - total) * BT + a_c
-                optr = out_ptr + zr.to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
-                zmask = (zr < R)[None, :] & (a_r < 64)[:, None]
-                z = gl.zeros([64, BT], gl.float32, ACC)
-                if OUT_BF16:
-                    gl.store(optr, z.to(gl.bfloat16), mask=zmask)
-                else:
-                    gl.store(optr, z, mask=zmask)
+                _zero_tile(t, total, n0, a_r, a_c, off_ptr, E, out_ptr, R, stride_om, BT, OUT_BF16, ACC)
         async_copy.wait_group(0)
+
+
+    # ------------------------------------------------------------------------------------------------
+    # The warp-specialised form (``config["WS"]``): one producer warp copies, the warpgroup decodes and multiplies.
+
+    @gluon.jit
+    def _ws_load(w_s, x_s, ready, empty, w_desc, x_ptr, rows_ptr, off_ptr, R, N, K, E, stride_xm, kt_per_split,
+                 ROW_TILES, pid_n, pid_m, grid_m, pid_k, EP: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr,
+                 SPLIT: gl.constexpr, GATHER: gl.constexpr, ZERO_REST: gl.constexpr, EL: gl.constexpr):
+        """Producer warp: for every K tile of every row tile, in the consumers' order, once ring stage
+        ``c % NS`` is free: the 64 weight rows' 64 bytes by one TMA (``ready`` expects its bytes) and the
+        token rows' ``x`` words by 16-byte cp.async gathers (each lane's arrive when they land)."""
+        XL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0])
+        eidx, lo, hi, nblk, cum, total, end = _walk(off_ptr, E, R, ROW_TILES, EP, BT, SPLIT, ZERO_REST, EL)
+        n0, kt_lo, n_kt = _program_tiles(pid_n, pid_k, kt_per_split, K)
+        x_r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
+        x_c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+        c = 0
+        for t in range(pid_m, end, grid_m):
+            if t < total:
+                e, row0, row_end = _walk_tile(t, eidx, lo, hi, nblk, cum, BT)
+                x_pair_ptr, x_mask = _x_rows(row0, row_end, x_r, x_c, x_ptr, rows_ptr, stride_xm, kt_lo, GATHER)
+                w_row = e * N + n0
+                for kt in range(n_kt):
+                    stage = c % NS
+                    mbarrier.wait(empty.index(stage), ((c // NS) & 1) ^ 1)
+                    mbarrier.expect(ready.index(stage), _BM * (_BK // 2))
+                    tma.async_copy_global_to_shared(w_desc, [w_row, (kt_lo + kt) * (_BK // 2)], ready.index(stage),
+                                                    w_s.index(stage))
+                    async_copy.async_copy_global_to_shared(x_s.index(stage), x_pair_ptr + kt * (_BK // 2),
+                                                           mask=x_mask)
+                    async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+                    c += 1
+
+    @gluon.jit
+    def _ws_math(w_s, x_s, ready, empty, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_wse, stride_wsn, stride_om,
+                 kt_per_split, ROW_TILES, pid_n, pid_m, grid_m, pid_k, EP: gl.constexpr, BT: gl.constexpr,
+                 NS: gl.constexpr, SPLIT: gl.constexpr, OUT_BF16: gl.constexpr, ZERO_REST: gl.constexpr,
+                 EL: gl.constexpr):
+        """The warpgroup: per K tile, wait for its stage, read the lane's weight bytes (``LDS.128`` a row),
+        decode them into the A fragment, one synchronous wgmma with the stage's ``x``, free the stage (one
+        arrival: the wgmma has taken every warp's fragment, so every warp's read of the stage is done)."""
+        WL: gl.constexpr = _WL
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        eidx, lo, hi, nblk, cum, total, end = _walk(off_ptr, E, R, ROW_TILES, EP, BT, SPLIT, ZERO_REST, EL)
+        n0, kt_lo, n_kt = _program_tiles(pid_n, pid_k, kt_per_split, K)
+        w_r = gl.arange(0, 64, layout=gl.SliceLayout(1, WL))
+        w_c = gl.arange(0, 16, layout=gl.SliceLayout(0, WL))
+        shift = 8 * (w_c // 4)  # lane q's scale byte in the row's tile word
+        a_r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+        a_c = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
+        c = 0
+        for t in range(pid_m, end, grid_m):
+            if t < total:
+                e, row0, row_end = _walk_tile(t, eidx, lo, hi, nblk, cum, BT)
+                s_row_ptr = ws_ptr + e.to(gl.int64) * stride_wse + (n0 + w_r).to(gl.int64) * stride_wsn + kt_lo
+                acc = gl.zeros([64, BT], gl.float32, ACC)
+                sw_next = gl.load(s_row_ptr)
+                for kt in range(n_kt):
+                    stage = c % NS
+                    sw = sw_next
+                    sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
+                    mbarrier.wait(ready.index(stage), (c // NS) & 1)
+                    fence_async_shared()  # the lanes' cp.async writes of x, before the wgmma reads them
+                    words = w_s.index(stage)._reinterpret(gl.int32, [64, 16], PLAIN2).load(WL)
+                    acc = _tile_mma(words, sw, shift, x_s.index(stage), acc, BT, XS, DOT_A)
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    c += 1
+                _store_tile(acc, row0, row_end, n0, a_r, a_c, pid_k, out_ptr, R, N, stride_om, SPLIT, OUT_BF16)
+            elif SPLIT == 1:
+                _zero_tile(t, total, n0, a_r, a_c, off_ptr, E, out_ptr, R, stride_om, BT, OUT_BF16, ACC)
+
+    @gluon.jit
+    def _moe_gemm_ws_kernel(
+        w_desc,  # TMA descriptor of the packed weights as uint8 [E * N, K / 2], 64 x 64 boxes
+        x_ptr,
+        rows_ptr,
+        ws_ptr,
+        off_ptr,
+        out_ptr,
+        R,
+        N,
+        K,
+        E,
+        stride_xm,
+        stride_wse,
+        stride_wsn,
+        stride_om,
+        kt_per_split,
+        ROW_TILES,
+        EP: gl.constexpr,
+        BT: gl.constexpr,
+        NS: gl.constexpr,
+        SPLIT: gl.constexpr,
+        OUT_BF16: gl.constexpr,
+        GATHER: gl.constexpr,
+        ZERO_REST: gl.constexpr,
+        EL_MATH: gl.constexpr,
+        EL_LOAD: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
+        PDL: gl.constexpr,
+    ):
+        """``_moe_gemm_gluon_kernel``'s arguments and numbers, warp-specialised: ``_ws_load`` (one warp) fills an
+        ``NS``-stage ring, ``_ws_math`` (the kernel's four warps) empties it; stage hand-overs on mbarriers."""
+        gluon_grid_wait(PDL)
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        grid_m = gl.num_programs(1)
+        pid_k = gl.program_id(2)
+        XS32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        w_s = gl.allocate_shared_memory(gl.uint8, [NS, _BM, _BK // 2], w_desc.layout)
+        x_s = gl.allocate_shared_memory(gl.int32, [NS, BT, 64], XS32)
+        BL: gl.constexpr = mbarrier.MBarrierLayout()
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], BL)
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], BL)
+        for i in gl.static_range(NS):
+            mbarrier.init(ready.index(i), count=33)  # the TMA's expect + the producer warp's 32 lanes
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize(
+            [
+                (_ws_math, (w_s, x_s, ready, empty, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_wse, stride_wsn,
+                            stride_om, kt_per_split, ROW_TILES, pid_n, pid_m, grid_m, pid_k, EP, BT, NS, SPLIT,
+                            OUT_BF16, ZERO_REST, EL_MATH)),
+                (_ws_load, (w_s, x_s, ready, empty, w_desc, x_ptr, rows_ptr, off_ptr, R, N, K, E, stride_xm,
+                            kt_per_split, ROW_TILES, pid_n, pid_m, grid_m, pid_k, EP, BT, NS, SPLIT, GATHER,
+                            ZERO_REST, EL_LOAD)),
+            ],
+            [1],
+            [LOAD_REGS],
+        )
+
+    _W_BOX = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+    def _walk_layout(ep: int, warps: int):
+        """``[ep]`` held whole by each warp (``ep / 32`` a lane), the partition's other warps copies of the
+        first: the walk's scan and sums then stay inside a warp (no shared-memory scratch, which a
+        warp-specialised partition may not take)."""
+        return gl.BlockedLayout([max(1, ep // 32)], [32], [warps], [0])
 
 
 def gluon_config(r: int, e_count: int, n: int, k: int, sms: int = 132) -> dict:
     """Token tile from the mean rows per expert (the wgmma's N: 8, 16, 32 or 64); K split while fewer
-    than two programs per SM would have work. Up to 16 token rows, 96 registers a thread (no spills)
-    let five CTAs share an SM instead of four: the kernel's stalls are latency, and a fifth CTA's loads
-    hide more of it. Above 64 rows (prefill) a 168-register cap (four CTAs an SM) measured 8% faster
-    than none at 8192 tokens (w13 1716 -> 1608 us, w2 907 -> 806 us, H200)."""
+    than two programs per SM would have work. Tiles of up to ``WS_MAX_ROWS`` rows: the warp-specialised
+    kernel, 64 registers a thread at launch (four CTAs of 4 + 4 warps an SM), of which the producer warpgroup
+    keeps 40 and the math warpgroup gets 88 (8-16 rows: a 4-deep ring; 32 rows: 80 at launch, 120 for the math,
+    a 3-deep ring; each the best of the variants timed on an H100, thirteenth session). Larger tiles, the cp.async
+    kernel: above 64 rows (prefill) a 168-register cap (four CTAs an SM) measured 8% faster than none at 8192
+    tokens (w13 1716 -> 1608 us, w2 907 -> 806 us, H200); with ``WS_MAX_ROWS`` = 0, 96 registers up to 16 rows
+    (five CTAs an SM: its stalls are latency, and a fifth CTA's loads hide more of it)."""
     mean_rows = triton.cdiv(r, e_count)
     bt = 8 if mean_rows <= 4 else 16 if mean_rows <= 16 else (32 if mean_rows <= 32 else 64)
-    cfg = {"BT": bt, "NS": 3, "MAXNREG": 96 if bt <= 16 else (168 if mean_rows > 64 else None)}
+    if bt > WS_MAX_ROWS:
+        cfg = {"BT": bt, "NS": 3, "MAXNREG": 96 if bt <= 16 else (168 if mean_rows > 64 else None)}
+    elif bt <= 16:
+        cfg = {"BT": bt, "NS": 4, "WS": True, "MAXNREG": 64, "LOAD_REGS": 40}
+    else:
+        cfg = {"BT": bt, "NS": 3, "WS": True, "MAXNREG": 80, "LOAD_REGS": 40}
     tiles = min(r, e_count) * triton.cdiv(mean_rows, bt) * (n // BM)
     split = 1
     while tiles * split < 2 * sms and split * 2 <= min(8, (k // BK) // 2):
@@ -399,6 +600,7 @@ def gluon_grouped_fp4_gemm(
     rows: torch.Tensor | None = None,
     zero_rest: bool = True,
     x_tile_ordered: bool = False,
+    local_rows: int | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (or [T, K] with ``rows [R]``, the row
@@ -408,7 +610,7 @@ def gluon_grouped_fp4_gemm(
     e_count, n, _ = w.shape
     r, k = out.shape[0], x.shape[1]
     sms = sm_count(x.device)
-    cfg = dict(config) if config else gluon_config(r, e_count, n, k, sms)
+    cfg = dict(config) if config else gluon_config(max(1, min(local_rows or r, r)), e_count, n, k, sms)
     bt, ns = cfg["BT"], cfg.get("NS", 3)
     _, split, k_per_split = split_k({"BK": BK, "SPLIT": cfg.get("SPLIT", 1)}, k)
     kt_per_split = k_per_split // BK
@@ -422,8 +624,24 @@ def gluon_grouped_fp4_gemm(
         xi = x.view(torch.int32)
     else:
         xi = input_form(x, "tile_order", x_tile_order)
-    wi = w.view(torch.int32)
     si = s.view(torch.int32)
+    if cfg.get("WS"):
+        ep = triton.next_power_of_2(e_count)
+        if w.stride(0) != n * w.stride(1):
+            raise ValueError("the warp-specialised expert GEMM reads the experts' weights as one [E * N, K / 2] matrix")
+        w2d = w.view(torch.uint8).as_strided((e_count * n, w.shape[2]), (w.stride(1), 1))
+        w_desc = TensorDescriptor.from_tensor(w2d, [BM, BK // 2], _W_BOX)
+        _moe_gemm_ws_kernel[(n_tiles, grid_m, split)](
+            w_desc, xi, xi if rows is None else rows, si, expert_offsets, target, r, n, k, e_count,
+            xi.stride(0), si.stride(0), si.stride(1), out.stride(0), kt_per_split, row_tiles,
+            EP=ep, BT=bt, NS=ns, SPLIT=split, OUT_BF16=out.dtype == torch.bfloat16, GATHER=rows is not None,
+            ZERO_REST=zero_rest, EL_MATH=_walk_layout(ep, 4), EL_LOAD=_walk_layout(ep, 1),
+            LOAD_REGS=cfg.get("LOAD_REGS", 56), num_warps=4, maxnreg=cfg.get("MAXNREG"), **pdl_args(xi.device),
+        )
+        if split > 1:
+            splitk_reduce(target, out, expert_offsets[e_count:])
+        return out
+    wi = w.view(torch.int32)
     _moe_gemm_gluon_kernel[(n_tiles, grid_m, split)](
         xi,
         xi if rows is None else rows,
