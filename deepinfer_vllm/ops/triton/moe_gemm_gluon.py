@@ -41,8 +41,9 @@ narrow N side) and each thread decodes exactly the values its A fragment holds:
   the ``x`` rows by 16-byte cp.async gathers) and the warpgroup only waits on the stage's mbarrier, reads its
   bytes, decodes and multiplies, then frees the stage; its instruction count per K tile falls only ~6% (the decode
   is most of it), but its warps no longer stall on their own copies: 13-21% less time at 1-256 tokens for w13,
-  5-16% for w2 (H100; benchmarks/README.md, thirteenth session). Larger tiles (prefill) stay on ``_moe_gemm_gluon_kernel``, where
-  every thread copies its own bytes (the warp-specialised form measured 3-4x slower at 64-row tiles).
+  5-16% for w2 (H100; benchmarks/README.md, thirteenth session). Larger tiles (prefill) stay on
+  ``_moe_gemm_gluon_kernel``, where every thread copies its own bytes (the warp-specialised form measured 3-4x
+  slower at 64-row tiles).
 
 Only for K a multiple of 128, N a multiple of 64. sm90 only. Row tiles of up to 64 token rows (the
 wgmma's N); prefill walks several per expert, each decoding the expert's weights again (at 8192
