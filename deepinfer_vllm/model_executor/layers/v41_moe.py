@@ -277,7 +277,8 @@ class RoutedExperts(nn.Module):
         # paths (split experts, per-pair outputs), which need them zero: the gate/up GEMM leaves
         # them unwritten, the activation uncomputed (the down projection reads no row past
         # offsets[-1]), the down projection zero only for those paths (the expert sum skips them).
-        # the rows this rank's experts expect (routing spread evenly): what the kernels size their tiles by
+        # The kernels pick their tiles for the rows this rank's experts expect (routing spread evenly), not for
+        # all the pairs.
         local_rows = -(-groups.rows.shape[0] * len(self.local) // self.n_physical)
         gate_up = gemm(
             x, groups.offsets, self.w13, self.w13_scale, x.dtype, rows=groups.rows, zero_rest=False,

@@ -432,7 +432,7 @@ def grouped_fp4_gemm(
         )
     if x_tile_ordered:
         xv = from_tile_order(xv)
-    cfg = dict(config) if config else moe_config(local_rows or r, e_count, n, k, sm_count(x.device))
+    cfg = dict(config) if config else moe_config(max(1, min(local_rows or r, r)), e_count, n, k, sm_count(x.device))
     cfg["BK"] = tile_k(k, cfg["BK"])
     cfg, split, k_per_split = split_k(cfg, k)
     kind = OUT_KINDS[out_dtype]
