@@ -421,6 +421,7 @@ def grouped_fp4_gemm(
     out_dtype = out.dtype
     if r == 0:
         return out
+    local_rows = max(1, min(local_rows or r, r))  # the rows the tiles are picked for (both kernels)
     w, s = weight_bytes(weight, scale)
     if x_tile_ordered and act != "bf16":  # the MXFP8 blocks are columns of x's own order
         x, x_tile_ordered = from_tile_order(x), False
@@ -432,7 +433,7 @@ def grouped_fp4_gemm(
         )
     if x_tile_ordered:
         xv = from_tile_order(xv)
-    cfg = dict(config) if config else moe_config(max(1, min(local_rows or r, r)), e_count, n, k, sm_count(x.device))
+    cfg = dict(config) if config else moe_config(local_rows, e_count, n, k, sm_count(x.device))
     cfg["BK"] = tile_k(k, cfg["BK"])
     cfg, split, k_per_split = split_k(cfg, k)
     kind = OUT_KINDS[out_dtype]

@@ -606,12 +606,13 @@ def gluon_grouped_fp4_gemm(
 ) -> torch.Tensor:
     """``out [R, N]`` (fp32 or bf16) of the grouped GEMM; ``x`` bf16 [R, K] (or [T, K] with ``rows [R]``, the row
     each grouped row reads), ``w`` uint8 [E, N, K/2], ``s`` uint8 [E, N, K/32] (the checked
-    arguments of ``moe_gemm.grouped_fp4_gemm``). ``x_tile_ordered``: ``x`` is already in the staging order
-    (written so by its producer: no rewrite)."""
+    arguments of ``moe_gemm.grouped_fp4_gemm``, ``local_rows`` as it clamps it to 1..R: the rows the tiles are
+    picked for, default R). ``x_tile_ordered``: ``x`` is already in the staging order (written so by its
+    producer: no rewrite)."""
     e_count, n, _ = w.shape
     r, k = out.shape[0], x.shape[1]
     sms = sm_count(x.device)
-    cfg = dict(config) if config else gluon_config(max(1, min(local_rows or r, r)), e_count, n, k, sms)
+    cfg = dict(config) if config else gluon_config(local_rows or r, e_count, n, k, sms)
     bt, ns = cfg["BT"], cfg.get("NS", 3)
     _, split, k_per_split = split_k({"BK": BK, "SPLIT": cfg.get("SPLIT", 1)}, k)
     kt_per_split = k_per_split // BK
