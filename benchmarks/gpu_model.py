@@ -337,6 +337,35 @@ def timed(fn, reps: int, device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_table(launches, steps: int, rows: int = 30) -> list[str]:
+    """The ``--profile`` table of the device kernels ``launches`` (``(name, start_us, end_us)`` of ``steps``
+    steps): per kernel name its own time, the part of its launches' intervals that no earlier-starting launch
+    already covers, and its span (the intervals as the profiler reports them). With PDL a kernel's programs start
+    while its predecessor's last wave runs and wait there (``ops/triton/pdl.py``), so the span of a kernel after a
+    long one includes that wait: the spans add up to more than the device was busy, and a short kernel after a
+    GEMM reads as expensive. Own times add up to the busy time (the union of the intervals); the rows are sorted
+    by own time."""
+    kernels: dict[str, list[float]] = {}
+    covered = float("-inf")  # the end of the union of the intervals of the launches started so far
+    busy = 0.0
+    for name, start, end in sorted(launches, key=lambda launch: (launch[1], launch[2])):
+        own = max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+        busy += own
+        k = kernels.setdefault(name[:70], [0.0, 0.0, 0])
+        k[0] += own
+        k[1] += end - start
+        k[2] += 1
+    span = sum(k[1] for k in kernels.values())
+    lines = [
+        f"device kernels per step: {len(launches) / steps:.0f}, busy {busy / steps:.1f} us/step "
+        f"(spans {span / steps:.1f}); per kernel: own us/step, span us/step, calls"
+    ]
+    for name, (own, spans, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"  {name:70s} {own / steps:8.1f} {spans / steps:8.1f} us/step {calls / steps:6.0f} calls")
+    return lines
+
+
 def profile(fn, device, steps: int = 3, rows: int = 30) -> None:
     """The kernels (operators on the CPU) of ``steps`` calls of ``fn``, by total device time."""
     from torch.profiler import ProfilerActivity
@@ -353,17 +382,13 @@ def profile(fn, device, steps: int = 3, rows: int = 30) -> None:
             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
         )
         return
-    kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("part:"):
-            k = kernels.setdefault(e.name[:70], [0.0, 0])
-            k[0] += e.device_time_total
-            k[1] += 1
-    n = sum(c for _, c in kernels.values())
-    busy = sum(t for t, _ in kernels.values())
-    print(f"device kernels per step: {n / steps:.0f}, busy {busy / steps:.1f} us/step")
-    for name, (t, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:rows]:
-        print(f"  {name:70s} {t / steps:8.1f} us/step {c / steps:6.0f} calls")
+    launches = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("part:")
+    ]
+    for line in kernel_table(launches, steps, rows):
+        print(line)
     parts: dict[str, tuple[float, int]] = {}
     for e in prof.key_averages():  # a part's range appears on the host and on the device (the smaller)
         if e.key.startswith("part:"):

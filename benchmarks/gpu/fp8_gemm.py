@@ -14,8 +14,10 @@ and a plain reader of the same weight bytes (the ceiling).
 ``--mid``: M = 128, 256, 512 (large decode batches, above the Gluon decode kernel's 64 rows): the default (the wide
 kernel in ``fp8_gemm.WIDE_ROWS``, else the decoded weight on cuBLAS from ``VENDOR_ROWS``), the decode kernel's
 64-row tiles forced (each tile decodes the weights again; x rewritten in the tile order or gathered) and its
-128-row tiles, the wide kernel, the Triton kernel, the weight decoded to bf16 and cuBLAS (decode included), and a
-plain reader of the same weight bytes.
+128-row tiles, the wide kernel, the Triton kernel, the weight decoded to bf16 and cuBLAS (decode included), and the
+ceilings: a plain reader of the same weight bytes, cuBLAS's bf16 GEMM on the weight decoded before the timing (the
+MMA work alone), and a reader of the bytes the wide kernel reads in its own pattern (``x`` again for every 128 output
+columns, mostly from L2: 4 MB of ``x`` x 40 column tiles at 5120 x 8192 x 256, against 42 MB of weight).
 The act="mxfp8" rows include the Triton activation quantiser (one extra launch).
 """
 
@@ -175,6 +177,50 @@ def _read_launcher(w: torch.Tensor, s: torch.Tensor):
     return lambda: _read_words[grid](words, out, words.numel(), BLOCK=block, num_warps=4)
 
 
+@triton.jit
+def _read_as_wide(x_ptr, w_ptr, s_ptr, out_ptr, M, stride_x, stride_w, stride_s, k_tiles, per_split,
+                  BM: tl.constexpr, KW: tl.constexpr):
+    """The bytes one program of the wide kernel (``fp8_gemm_wide_gluon``) reads, in its order and nothing else: per
+    K tile of 128 columns its ``BM`` rows of ``x`` (bf16, ``KW = 64`` words a row) and its 128 weight rows (e4m3, 32
+    words a row) with their scale words; XOR-reduced into one word (kept, so nothing is dropped as dead)."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    wrows = pid_n * 128 + tl.arange(0, 128)
+    acc = tl.zeros([BM, KW], tl.int32)
+    wacc = tl.zeros([128, KW // 2], tl.int32)
+    sacc = tl.zeros([128 // 32], tl.int32)
+    for kt in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, k_tiles)):
+        xw = kt * KW + tl.arange(0, KW)
+        acc ^= tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + xw[None, :], mask=(rows < M)[:, None], other=0)
+        ww = kt * (KW // 2) + tl.arange(0, KW // 2)
+        wacc ^= tl.load(w_ptr + wrows.to(tl.int64)[:, None] * stride_w + ww[None, :])
+        # one scale byte per 32x32 block: the 4 of this K tile are one word of each of the 4 scale rows
+        sacc ^= tl.load(s_ptr + (pid_n * 4 + tl.arange(0, 4)) * stride_s + kt)
+    flat = tl.xor_sum(tl.xor_sum(acc, 1), 0) ^ tl.xor_sum(tl.xor_sum(wacc, 1), 0) ^ tl.xor_sum(sacc, 0)
+    tl.store(out_ptr + (pid_k * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n, flat)
+
+
+def _read_as_wide_launcher(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor):
+    """(a launcher, the buffer of one word per program it writes): ``_read_as_wide`` on the grid of the wide kernel's default config for this call (its ``BM`` rows a program,
+    its K split): the ceiling of a kernel that reads ``x`` again for every 128 output columns, as the wide kernel
+    does (from L2 after the first time)."""
+    from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_config
+
+    (m, _), (n, k) = x.shape, w.shape
+    cfg = gluon_fp8_wide_config(m, n, k)
+    bm = 64 * cfg["WGS"]
+    k_tiles = k // 128
+    split = cfg["SPLIT"]
+    per_split = triton.cdiv(k_tiles, split)  # as ``splitk.split_k``: the last split may be shorter
+    split = triton.cdiv(k_tiles, per_split)
+    xi, wi, si = x.view(torch.int32), w.view(torch.uint8).view(torch.int32), s.view(torch.uint8).view(torch.int32)
+    grid = (n // 128, triton.cdiv(m, bm), split)
+    out = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.int32, device=x.device)
+    return lambda: _read_as_wide[grid](
+        xi, wi, si, out, m, xi.stride(0), wi.stride(0), si.stride(0), k_tiles, per_split, BM=bm, KW=64, num_warps=8
+    ), out
+
+
 DECODE_ONLY_M = (1, 8, 16, 32, 64)
 DECODE_ONLY_SHAPES = SHAPES + [(1024 * 8, 512)]  # + the grouped output projection's whole weight
 
@@ -241,6 +287,7 @@ def run_mid(ceilings: Ceilings):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             wu, su = w.view(torch.uint8), s.view(torch.uint8)
+            w_bf16 = quant.dequant_fp8_block(wu, su, dtype=torch.bfloat16)
             g64 = dict(BT=64, WG=2, NS=3)
             variants = [
                 ("default", lambda: fp8_block_gemm(x, w, s, "bf16")),
@@ -250,6 +297,10 @@ def run_mid(ceilings: Ceilings):
                 ("gluon wide", lambda: gluon_fp8_wide_gemm(x, wu, su, out)),
                 ("triton", lambda: fp8_block_gemm(x, w, s, config=pick_config(m, n, k))),
                 ("decoded bf16 + cuBLAS", lambda: _vendor_gemm(x, wu, su, out, 1)),
+                # the two ceilings of the wide kernel: the MMA work alone (cuBLAS, bf16, the weight decoded before
+                # the timing) and the bytes it reads in its own pattern alone (``x`` again per 128 columns)
+                ("cuBLAS bf16 (weight decoded before)", lambda: torch.mm(x, w_bf16.T, out=out)),
+                ("read as the wide kernel", _read_as_wide_launcher(x, w, s)[0]),
             ]
             ref = _vendor_gemm(x, wu, su, torch.empty_like(out), 1).float()
             got = gluon_fp8_wide_gemm(x, wu, su, torch.empty_like(out)).float()
