@@ -201,9 +201,10 @@ def _read_as_wide(x_ptr, w_ptr, s_ptr, out_ptr, M, stride_x, stride_w, stride_s,
 
 
 def _read_as_wide_launcher(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor):
-    """(a launcher, the buffer of one word per program it writes): ``_read_as_wide`` on the grid of the wide kernel's default config for this call (its ``BM`` rows a program,
-    its K split): the ceiling of a kernel that reads ``x`` again for every 128 output columns, as the wide kernel
-    does (from L2 after the first time)."""
+    """(a launcher, the buffer of one word per program it writes): ``_read_as_wide`` on the grid of the wide
+    kernel's default config for this call (its ``BM`` rows a program, its K split): the ceiling of a kernel
+    that reads ``x`` again for every 128 output columns, as the wide kernel does (from L2 after the first
+    time)."""
     from deepinfer_vllm.ops.triton.fp8_gemm_wide_gluon import gluon_fp8_wide_config
 
     (m, _), (n, k) = x.shape, w.shape

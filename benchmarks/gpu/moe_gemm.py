@@ -14,7 +14,9 @@ act="mxfp8" rows include the Triton activation quantiser.
 256 tokens, w13 and w2, ``grouped_fp4_gemm`` (both acts) beside a plain reader of the same expert bytes
 (``read experts``: one program per 16 KB of each touched expert's packed weight and scales,
 XOR-reduced), the Triton kernel, the Gluon cp.async kernel (``gluon cp.async``: the decode default before the
-warp-specialised one) and three warp-specialised variants (ring depth, registers at launch / the producer's).
+warp-specialised one), three warp-specialised variants (ring depth, registers at launch / the producer's) and the
+default with the other K splits of 1, 2, 4 and 8 up to 16 tokens (``split N``; one split means no separate reduction
+launch, which at one token may outweigh the programs it leaves idle).
 Same timing as every row (CUDA graph, L2 flushed before each call), same byte count, % of copy.
 ``--decode --ab FILE``: also the Gluon wrapper of another copy of ``moe_gemm_gluon.py`` (for
 instance
@@ -182,6 +184,9 @@ def run_decode(ceilings: Ceilings):
             ws = ((3, 64, 40), (6, 64, 40), (4, 80, 40))
             variants += [(f"gluon WS NS={ns} maxnreg={m}/{lr}", dict(base, WS=True, NS=ns, MAXNREG=m, LOAD_REGS=lr))
                          for ns, m, lr in ws]
+            # the default's K split against fewer (one launch less without the separate reduction) and more
+            if tokens <= 16:
+                variants += [(f"split {sp}", dict(base, SPLIT=sp)) for sp in (1, 2, 4, 8) if sp != base["SPLIT"]]
             for label, cfg in variants:
                 t = time_s(lambda cfg=cfg: grouped_fp4_gemm(x, offs, w, s, "bf16", config=cfg))  # noqa: B023
                 yield Row(
