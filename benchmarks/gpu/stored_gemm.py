@@ -7,7 +7,9 @@ today's path, ``torch.matmul`` of the fp32-widened operands (cuBLAS SIMT sgemm; 
 included, as ``ops.weight_gemm.gemm_stored`` does it), measured in this run. bytes = weight +
 x + out; "% copy" is against the device-to-device copy rate. At M <= ``GEMV_ROWS`` (the CUDA-core
 path) the tensor-core kernel on the same call follows; at M >= ``VENDOR_ROWS`` (cuBLAS on the weight's bf16
-parts) the Triton tensor-core kernel on the same call follows.
+parts) the Triton tensor-core kernel on the same call follows; at ``SPLIT_M`` rows the tensor-core kernel at
+K splits of 1-8 beside its default (16 for these shapes: at 256 rows the fp32 partials, 16 x 256 x 512 x 4
+bytes, outweigh the compressor's 10.5 MB weight).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from deepinfer_vllm.ops.triton.stored_gemm import (  # noqa: E402
 SHAPES = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16), (64, 5120, torch.bfloat16)]
 DECODE_M = (1, 2, 64, 256)
 LARGE_M = 8192
+SPLIT_M = (64, 256)  # decode sizes also timed at other K splits (the default: 16, partials of up to 8 MB)
 
 
 def _cfg_name(cfg: dict) -> str:
@@ -64,12 +67,17 @@ def run(ceilings: Ceilings) -> list[Row]:
                     baseline_seconds=t_ref,
                 )
             )
+            others = []
             if m <= GEMV_ROWS or m >= VENDOR_ROWS:  # the Triton tensor-core kernel on the same call
                 tc = stored_config(max(m, GEMV_ROWS + 1), n, k, dtype == torch.float32)
-                t_tc = time_s(lambda: stored_gemm(x, w, torch.float32, config=tc))
+                others.append(("tensor cores", tc))
+            elif m in SPLIT_M:  # its K split: the default's against fewer (less fp32 partial traffic)
+                others += [(f"split {sp}", dict(cfg, SPLIT=sp)) for sp in (1, 2, 4, 8) if sp != cfg["SPLIT"]]
+            for label, tc in others:
+                t_tc = time_s(lambda tc=tc: stored_gemm(x, w, torch.float32, config=tc))  # noqa: B023
                 rows.append(
                     Row(
-                        kernel=f"tensor cores W={str(dtype).removeprefix('torch.')}",
+                        kernel=f"{label} W={str(dtype).removeprefix('torch.')}",
                         shape=f"M={m} N={n} K={k} ({_cfg_name(tc)})",
                         seconds=t_tc,
                         bytes=n * k * w.element_size() + m * k * 2 + m * n * 4,
