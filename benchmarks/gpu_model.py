@@ -339,12 +339,12 @@ def timed(fn, reps: int, device) -> float:
 
 def kernel_table(launches, steps: int, rows: int = 30) -> list[str]:
     """The ``--profile`` table of the device kernels ``launches`` (``(name, start_us, end_us)`` of ``steps``
-    steps): per kernel name its own time, the part of its launches' intervals that no earlier-starting launch
-    already covers, and its span (the intervals as the profiler reports them). With PDL a kernel's programs start
-    while its predecessor's last wave runs and wait there (``ops/triton/pdl.py``), so the span of a kernel after a
-    long one includes that wait: the spans add up to more than the device was busy, and a short kernel after a
-    GEMM reads as expensive. Own times add up to the busy time (the union of the intervals); the rows are sorted
-    by own time."""
+    steps): per kernel name its own time, the part of its launches' intervals that no earlier-starting
+    launch already covers, and its span (the intervals as the profiler reports them). With PDL a kernel's
+    programs start while its predecessor's last wave runs and wait there (``ops/triton/pdl.py``), so the
+    span of a kernel after a long one includes that wait: the spans add up to more than the device was
+    busy, and a short kernel after a GEMM reads as expensive. Own times add up to the busy time (the
+    union of the intervals); the rows are sorted by own time."""
     kernels: dict[str, list[float]] = {}
     covered = float("-inf")  # the end of the union of the intervals of the launches started so far
     busy = 0.0
