@@ -570,8 +570,9 @@ def main() -> None:
     parser.add_argument(
         "--ws-baseline",
         action="store_true",
-        help="also time each graphed case with the routed-expert GEMM's cp.async kernel instead of the "
-        "warp-specialised one (ops/triton/moe_gemm_gluon.py, WS_MAX_ROWS = 0)",
+        help="also time each graphed case without the warp-specialised kernels: the routed-expert GEMM's cp.async "
+        "kernel (ops/triton/moe_gemm_gluon.py, WS_MAX_ROWS = 0) and the dense decode kernel whose threads copy "
+        "(ops/triton/fp8_gemm_gluon.py, WARP_SPECIALIZED = False)",
     )
     parser.add_argument(
         "--pdl-baseline",
@@ -630,23 +631,29 @@ def main() -> None:
         """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, with ``--wide-baseline``
         without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), with ``--ws-baseline`` with the expert
         GEMM's cp.async kernel, with ``--wide-rows`` with its rows window, in the same run."""
-        from deepinfer_vllm.ops.triton import fp8_gemm, moe_gemm_gluon, pdl
+        from deepinfer_vllm.ops.triton import fp8_gemm, fp8_gemm_gluon, moe_gemm_gluon, pdl
 
         wide_rows, ws_rows = fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS
-        modes = [("graphed", True, wide_rows, ws_rows)]
-        modes += [("no PDL", False, wide_rows, ws_rows)] if args.pdl_baseline else []
-        modes += [("no wide", True, (0, 0), ws_rows)] if args.wide_baseline else []
-        modes += [("no WS", True, wide_rows, 0)] if args.ws_baseline else []
+        dense_ws = fp8_gemm_gluon.WARP_SPECIALIZED
+        modes = [("graphed", True, wide_rows, ws_rows, dense_ws)]
+        modes += [("no PDL", False, wide_rows, ws_rows, dense_ws)] if args.pdl_baseline else []
+        modes += [("no wide", True, (0, 0), ws_rows, dense_ws)] if args.wide_baseline else []
+        modes += [("no WS", True, wide_rows, 0, False)] if args.ws_baseline else []
         if args.wide_rows:
             lo, hi = (int(v) for v in args.wide_rows.split(","))
-            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi), ws_rows)]
-        for mode, enabled, rows, ws in modes:
+            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi), ws_rows, dense_ws)]
+
+        def switch(enabled, rows, ws, dws):
             pdl.ENABLED, fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS = enabled, rows, ws
+            fp8_gemm_gluon.WARP_SPECIALIZED = dws
+
+        for mode, *setting in modes:
+            switch(*setting)
             try:
                 replay = graphed(forward)  # (its warm-up compiles this mode's kernels outside the capture)
                 report(case, mode, timed(replay, reps, device), nbytes, flops)
             finally:
-                pdl.ENABLED, fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS = True, wide_rows, ws_rows
+                switch(True, wide_rows, ws_rows, dense_ws)
             del replay
             torch.cuda.empty_cache()
 

@@ -242,8 +242,12 @@ def run_decode(ceilings: Ceilings):
             base = gluon_fp8_config(m, n, k)
             wide_default = dense_kernel(x, *weight_bytes(w, s), torch.bfloat16) == "wide"
             variants = [("default", None), ("triton", pick_config(m, n, k))]
+            if base.get("WS"):  # the warp-specialised kernel's ring depth; below, the kernel whose threads copy
+                variants += [(f"gluon WS NS={ns}", dict(base, NS=ns)) for ns in (3, 6)]
+                base = {key: v for key, v in base.items() if key not in ("WS", "MAXNREG", "LOAD_REGS")}
             variants += [("gluon async", dict(base, ASYNC=True)), ("gluon sync", dict(base, ASYNC=False))]
-            variants += [(f"gluon async NS={ns}", dict(base, NS=ns, ASYNC=True)) for ns in (2, 3, 4) if ns != base["NS"]]
+            variants += [(f"gluon async NS={ns}", dict(base, NS=ns, ASYNC=True)) for ns in (2, 3, 4)
+                         if ns != base["NS"]]
             variants += [(f"gluon async WG={3 - base['WG']}", dict(base, WG=3 - base["WG"], NS=3, ASYNC=True))]
             if m >= 16 and not wide_default:  # the wide kernel with one warpgroup where it is not the default
                 variants += [("wide", gluon_fp8_wide_config(m, n, k))]

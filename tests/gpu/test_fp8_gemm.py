@@ -182,6 +182,11 @@ GLUON_CONFIGS = [
     dict(BT=32, WG=2, NS=4, SPLIT=2, ASYNC=True, X_TILED=False),
     dict(BT=8, NS=4, SPLIT=2, X_TILED=True),
     dict(BT=16, WG=2, NS=3, SPLIT=1, ASYNC=True, X_TILED=True),
+    # warp-specialised (one warpgroup, x gathered): split K added by the last program or by splitk_reduce
+    dict(BT=8, NS=4, SPLIT=1, WS=True, MAXNREG=64, LOAD_REGS=40),
+    dict(BT=16, NS=4, SPLIT=3, WS=True, MAXNREG=64, LOAD_REGS=40, FIXUP=True),
+    dict(BT=16, NS=6, SPLIT=2, WS=True, MAXNREG=64, LOAD_REGS=40, FIXUP=False),
+    dict(BT=8, NS=3, SPLIT=2, WS=True),
 ]
 
 
@@ -203,6 +208,22 @@ def test_gluon_fp8_gemm_large_batches(device, cfg, m, n, k):
     got = fp8_block_gemm(x, w, s, "bf16", torch.bfloat16, config=cfg)
     ref = quant_gemm.fp8_block_gemm(x, w, s, "bf16", torch.float32)
     check(got, ref, quant_gemm.activations(x, "bf16"), quant.dequant_fp8_block(w, s))
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")
+@pytest.mark.parametrize("m,n,k,groups", [(1, 5120, 8192, 1), (13, 4608, 5120, 1), (16, 2048, 2 * 1024, 2)])
+def test_gluon_fp8_warp_specialised_is_bit_identical(device, m, n, k, groups):
+    """The warp-specialised decode kernel (a producer warp copies by TMA and cp.async) gives the bits of the kernel
+    whose threads copy their own bytes, with the same tiles and a synchronous wgmma (the same decode, the same
+    products in the same order), split K included."""
+    w, s = make_weight(n, k, seed=n + k + m, device=device)
+    x = make_x(m, groups * k, seed=m + 1, device=device)
+    for base in (dict(BT=8 if m <= 8 else 16, NS=4, SPLIT=1), dict(BT=16, NS=4, SPLIT=2, FIXUP=True)):
+        for out_dtype in (torch.float32, torch.bfloat16):
+            got = fp8_block_gemm(x, w, s, "bf16", out_dtype, groups=groups,
+                                 config=dict(base, WS=True, MAXNREG=64, LOAD_REGS=40))
+            want = fp8_block_gemm(x, w, s, "bf16", out_dtype, groups=groups, config=dict(base, ASYNC=False))
+            assert torch.equal(got, want), (m, n, k, groups, base, out_dtype)
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels need an sm90 GPU")

@@ -39,6 +39,14 @@ the values of its own A fragment, so no decoded value goes through shared memory
   shared-memory bytes as the weights; up to 32 rows the wgmma is issued asynchronously and the next tile's decode
   runs under it (``ASYNC``; at 64 rows the extra barrier this needs costs more than it hides).
 
+* Up to 8 batch rows (``WS_MAX_ROWS``) the loop runs warp-specialised (``_fp8_decode_ws_kernel``,
+  ``WARP_SPECIALIZED``; the routed-expert GEMM's step of the thirteenth session): one producer warp issues the
+  weight bytes' TMA (a ``[64, 128]`` box, 128-byte swizzled, which spreads each quarter warp's 16-byte reads over
+  all banks) and ``x``'s 4-byte gathers into an mbarrier ring; the warpgroup only waits, decodes and multiplies
+  (a synchronous wgmma), then frees the stage. Measured on the H200 (benchmarks/README.md, fourteenth session)
+  against the kernel whose threads copy their own bytes, same run: 2-8% less time at 1-8 rows on the Flash
+  shapes (5120 x 8192 at one row 19.7 -> 18.8 us, 53% of copy; at 8 rows 21.1 -> 19.5).
+
 Only for K (per group) a multiple of 128, N (per group) a multiple of 64, up to 64 rows (decode); larger batches
 stay on the Triton kernel. sm90 only.
 """
@@ -57,9 +65,16 @@ if GLUON_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from deepinfer_vllm.ops.triton.moe_gemm_gluon import issue_tile, place_fragment, wait_tile
+    from deepinfer_vllm.ops.triton.moe_gemm_gluon import issue_tile, place_fragment, wait_tile, ws_ring
 
 __all__ = [
     "E4M3_PTX",
@@ -107,6 +122,12 @@ E4M3_TILED_PTX = "{\n.reg .b32 d, t;\n" + "".join(
 BM = 64  # weight rows per tile: one warpgroup wgmma (M = 64)
 BK = 128  # K per tile: 32 bytes = one scale block per lane and row
 X_TILED_ROWS = 32  # from this batch tile on, x is rewritten in the tile order first (module docstring)
+# Batch tiles of up to ``WS_MAX_ROWS`` rows run warp-specialised (``_fp8_decode_ws_kernel``); False: the kernel whose
+# threads copy their own bytes (``gpu_model.py --ws-baseline``). 16-row tiles stay on that kernel: with the 4-deep ring
+# the warp-specialised one was slower on the smallest shape (1792 x 5120: 11.9 against 9.8 us, H200; a 3-deep ring
+# measured 9.6 there but ran in no test yet).
+WARP_SPECIALIZED = True
+WS_MAX_ROWS = 8
 
 
 def operands_fit(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, n_tile: int,
@@ -198,6 +219,39 @@ if GLUON_AVAILABLE:
         )
         s_row_ptr = ws_ptr + ((n0 + w_r) // 32).to(gl.int64) * stride_wsn + kt_lo
         return w_row_ptr, x_pair_ptr, x_mask, s_row_ptr
+
+    @gluon.jit
+    def _store_rows(acc, a_r, a_c, out_ptr, part_ptr, counter_ptr, M, N, stride_om, n0, m0, pid_m, pid_n, pid_k,
+                    BW: gl.constexpr, BT: gl.constexpr, ACC: gl.constexpr, SPLIT: gl.constexpr,
+                    OUT_BF16: gl.constexpr, FIXUP: gl.constexpr):
+        """``acc [BW weight rows, BT batch rows]`` of a CTA: the output, or its split's partials (``FIXUP``: the
+        tile's last program adds them, ``splitk.split_fixup`` in this kernel's layouts; else into the workspace at
+        ``out_ptr`` for ``splitk_reduce``); ``a_r`` / ``a_c`` the accumulator's row and column indices."""
+        omask = (m0 + a_c < M)[None, :] & (a_r < BW)[:, None]
+        optr = out_ptr + (m0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
+        if SPLIT > 1 and not FIXUP:  # partials into the workspace at out_ptr (``splitk_reduce`` adds them)
+            gl.store(out_ptr + pid_k.to(gl.int64) * M * N + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None],
+                     acc, mask=omask)
+        elif SPLIT > 1:
+            part = part_ptr + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None]
+            gl.store(part + pid_k.to(gl.int64) * M * N, acc, mask=omask)
+            gl.thread_barrier()
+            tile = pid_m * gl.num_programs(0) + pid_n
+            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                total = gl.zeros([BW, BT], gl.float32, ACC)
+                for s in gl.static_range(SPLIT):
+                    total += gl.load(part + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                if OUT_BF16:
+                    gl.store(optr, total.to(gl.bfloat16), mask=omask)
+                else:
+                    gl.store(optr, total, mask=omask)
+                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+        else:
+            if OUT_BF16:
+                gl.store(optr, acc.to(gl.bfloat16), mask=omask)
+            else:
+                gl.store(optr, acc, mask=omask)
 
     @gluon.jit
     def _fp8_gemm_gluon_kernel(
@@ -306,33 +360,121 @@ if GLUON_AVAILABLE:
         if ASYNC:
             acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)
-        # epilogue: acc[n, row]
-        omask = (m0 + a_c < M)[None, :] & (a_r < BW)[:, None]
-        optr = out_ptr + (m0 + a_c).to(gl.int64)[None, :] * stride_om + (n0 + a_r)[:, None]
-        if SPLIT > 1 and not FIXUP:  # partials into the workspace at out_ptr (``splitk_reduce`` adds them)
-            gl.store(out_ptr + pid_k.to(gl.int64) * M * N + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None],
-                     acc, mask=omask)
-        elif SPLIT > 1:
-            # ``splitk.split_fixup`` in this kernel's layouts: the partial, then the last to arrive adds them all
-            part = part_ptr + (m0 + a_c).to(gl.int64)[None, :] * N + (n0 + a_r)[:, None]
-            gl.store(part + pid_k.to(gl.int64) * M * N, acc, mask=omask)
-            gl.thread_barrier()
-            tile = pid_m * gl.num_programs(0) + pid_n
-            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                total = gl.zeros([BW, BT], gl.float32, ACC)
-                for s in gl.static_range(SPLIT):
-                    total += gl.load(part + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                if OUT_BF16:
-                    gl.store(optr, total.to(gl.bfloat16), mask=omask)
-                else:
-                    gl.store(optr, total, mask=omask)
-                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-        else:
-            if OUT_BF16:
-                gl.store(optr, acc.to(gl.bfloat16), mask=omask)
-            else:
-                gl.store(optr, acc, mask=omask)
+        _store_rows(acc, a_r, a_c, out_ptr, part_ptr, counter_ptr, M, N, stride_om, n0, m0, pid_m, pid_n, pid_k, BW,
+                    BT, ACC, SPLIT, OUT_BF16, FIXUP)
+
+
+    # ------------------------------------------------------------------------------------------------
+    # The warp-specialised form (``config["WS"]``, up to 16 batch rows): one producer warp copies (the weight bytes
+    # by TMA, ``x``'s pairs by 4-byte cp.async gathers), the warpgroup decodes and multiplies.
+
+    @gluon.jit
+    def _decode_ws_load(w_s, x_s, ready, empty, w_desc, x_ptr, n0, m0, group, kt_lo, n_kt, M, K, stride_xm,
+                        BT: gl.constexpr, NS: gl.constexpr):
+        """Producer warp: K tile ``kt`` into ring stage ``kt % NS`` once it is free: the 64 weight rows' 128 bytes
+        by one TMA (``ready`` expects them) and the batch rows' ``x`` pairs in the tile's K order by 4-byte
+        cp.async gathers (each lane arrives when its copies land)."""
+        XL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
+        x_r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
+        x_c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+        # logical pair P = 8s + 4h + q of the tile is physical pair 16q + 2s + h (module docstring)
+        x_phys = 16 * (x_c % 4) + 2 * (x_c // 8) + (x_c // 4) % 2
+        tok = m0 + x_r
+        x_mask = (tok < M)[:, None] & (x_c < 64)[None, :]
+        # int32 word offsets (decode batches: M * row stride is far below 2^31), 64-bit pointers made per tile: the
+        # warp's 40-64 registers cannot hold 2 * BT pointers
+        x_off = tok[:, None] * stride_xm + (group * (K // 2) + kt_lo * (_BK // 2) + x_phys)[None, :]
+        for kt in range(n_kt):
+            stage = kt % NS
+            mbarrier.wait(empty.index(stage), ((kt // NS) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), 64 * _BK)
+            tma.async_copy_global_to_shared(w_desc, [n0, (kt_lo + kt) * _BK], ready.index(stage), w_s.index(stage))
+            async_copy.async_copy_global_to_shared(x_s.index(stage), x_ptr + (x_off + kt * (_BK // 2)), mask=x_mask)
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+    @gluon.jit
+    def _decode_ws_math(w_s, x_s, ready, empty, ws_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_wsn, stride_om,
+                        n0, m0, kt_lo, n_kt, pid_m, pid_n, pid_k, WL: gl.constexpr, BT: gl.constexpr,
+                        NS: gl.constexpr, SPLIT: gl.constexpr, OUT_BF16: gl.constexpr, FIXUP: gl.constexpr):
+        """The warpgroup: per K tile, wait for its stage, read the lane's 32 bytes of each of its two rows, decode
+        them into the A fragment (``E4M3_PTX``), one synchronous wgmma with the stage's ``x``, free the stage."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        w_r = gl.arange(0, 64, layout=gl.SliceLayout(1, WL))
+        w_c = gl.arange(0, 32, layout=gl.SliceLayout(0, WL))
+        shift = 8 * (w_c // 8)  # lane q's scale byte in the block row's tile word
+        a_r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+        a_c = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
+        s_row_ptr = ws_ptr + ((n0 + w_r) // 32).to(gl.int64) * stride_wsn + kt_lo
+        acc = gl.zeros([64, BT], gl.float32, ACC)
+        sw_next = gl.load(s_row_ptr)
+        for kt in range(n_kt):
+            stage = kt % NS
+            sw = sw_next
+            sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
+            mbarrier.wait(ready.index(stage), (kt // NS) & 1)
+            fence_async_shared()  # the producer's cp.async writes of x, before the wgmma reads them
+            words = w_s.index(stage)._reinterpret(gl.int32, [64, 32], W32).load(WL)
+            sb = (sw[:, None] >> shift[None, :]) & 0xFF
+            a = _decode_tile(words, sb * 0x00800080 + 0x3C003C00, 64, DOT_A)
+            xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
+            acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
+            mbarrier.arrive(empty.index(stage), count=1)
+        _store_rows(acc, a_r, a_c, out_ptr, part_ptr, counter_ptr, M, N, stride_om, n0, m0, pid_m, pid_n, pid_k, 64,
+                    BT, ACC, SPLIT, OUT_BF16, FIXUP)
+
+    @gluon.jit
+    def _fp8_decode_ws_kernel(
+        w_desc,  # TMA descriptor of the e4m3 weights [N, K] as bytes, [64, 128] boxes
+        x_ptr,
+        ws_ptr,
+        out_ptr,
+        part_ptr,
+        counter_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wsn,
+        stride_om,
+        kt_per_split,
+        group_n,
+        WL: gl.constexpr,
+        BT: gl.constexpr,
+        NS: gl.constexpr,
+        SPLIT: gl.constexpr,
+        OUT_BF16: gl.constexpr,
+        FIXUP: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
+        PDL: gl.constexpr,
+    ):
+        """``_fp8_gemm_gluon_kernel``'s arguments and numbers at one warpgroup with ``x`` gathered, warp-specialised:
+        ``_decode_ws_load`` (one warp) fills an ``NS``-stage ring, ``_decode_ws_math`` empties it."""
+        gluon_grid_wait(PDL)
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        n0 = pid_n * 64
+        m0 = pid_m * BT
+        kt_lo = pid_k * kt_per_split
+        n_kt = gl.minimum(kt_per_split, K // _BK - kt_lo)
+        W_BOX: gl.constexpr = w_desc.layout
+        w_s, x_s, ready, empty = ws_ring(_BK, W_BOX, BT, NS)
+        gl.warp_specialize(
+            [
+                (_decode_ws_math, (w_s, x_s, ready, empty, ws_ptr, out_ptr, part_ptr, counter_ptr, M, N, stride_wsn,
+                                   stride_om, n0, m0, kt_lo, n_kt, pid_m, pid_n, pid_k, WL, BT, NS, SPLIT, OUT_BF16,
+                                   FIXUP)),
+                (_decode_ws_load, (w_s, x_s, ready, empty, w_desc, x_ptr, n0, m0, n0 // group_n, kt_lo, n_kt, M, K,
+                                   stride_xm, BT, NS)),
+            ],
+            [1],
+            [LOAD_REGS],
+        )
+
+    _W_BOX = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
 
 def gluon_fp8_config(m: int, n: int, k: int, sms: int = 132, groups: int = 1) -> dict:
@@ -353,6 +495,9 @@ def gluon_fp8_config(m: int, n: int, k: int, sms: int = 132, groups: int = 1) ->
     # (measured on the H200 at 1 and 64 rows, benchmarks/README.md).
     cfg["FIXUP"] = bt <= 16
     cfg["SPLIT"] = split
+    if WARP_SPECIALIZED and bt <= WS_MAX_ROWS and wg == 1:
+        # 64 registers a thread at launch (4 + 4 warps: four CTAs an SM), 40 for the producer, 88 for the math
+        cfg.update(WS=True, NS=4, MAXNREG=64, LOAD_REGS=40, ASYNC=False)  # (its wgmma is synchronous)
     return cfg
 
 
@@ -382,6 +527,20 @@ def gluon_fp8_block_gemm(
     wi = w.view(torch.int32)
     si = s.view(torch.int32)
     grid = (n // (64 * wg), triton.cdiv(m, bt), split)
+    if cfg.get("WS"):
+        if wg != 1 or x_tiled:
+            raise ValueError("the warp-specialised decode kernel takes one warpgroup and x gathered (X_TILED off)")
+        w_desc = TensorDescriptor.from_tensor(w, [64, BK], _W_BOX)
+        _fp8_decode_ws_kernel[grid](
+            w_desc, xi, si, part if split > 1 and not fixup else out, part,
+            split_counters(x.device, grid[0] * grid[1]) if fixup else part, m, n, k, xi.stride(0), si.stride(0),
+            out.stride(0), k_per_split // BK, n // groups, WL=_word_layout(1), BT=bt, NS=ns, SPLIT=split,
+            OUT_BF16=out.dtype == torch.bfloat16, FIXUP=fixup, LOAD_REGS=cfg.get("LOAD_REGS", 40), num_warps=4,
+            maxnreg=cfg.get("MAXNREG"), **pdl_args(xi.device),
+        )
+        if split > 1 and not fixup:
+            splitk_reduce(part, out)
+        return out
     _fp8_gemm_gluon_kernel[grid](
         xi,
         wi,

@@ -499,6 +499,22 @@ if GLUON_AVAILABLE:
                 _zero_tile(t, total, n0, a_r, a_c, off_ptr, E, out_ptr, R, stride_om, BT, OUT_BF16, ACC)
 
     @gluon.jit
+    def ws_ring(W_BYTES: gl.constexpr, W_LAYOUT: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr):
+        """The warp-specialised decode kernels' ring (shared with ``fp8_gemm_gluon``): ``NS`` stages of 64 weight
+        rows x ``W_BYTES`` (a TMA box) and ``BT`` rows of ``x`` words (cp.async gathers), a ``ready`` barrier per
+        stage (the TMA's expect and the producer warp's 32 lanes) and an ``empty`` one (the warpgroup)."""
+        XS32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        w_s = gl.allocate_shared_memory(gl.uint8, [NS, 64, W_BYTES], W_LAYOUT)
+        x_s = gl.allocate_shared_memory(gl.int32, [NS, BT, 64], XS32)
+        BL: gl.constexpr = mbarrier.MBarrierLayout()
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], BL)
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], BL)
+        for i in gl.static_range(NS):
+            mbarrier.init(ready.index(i), count=33)
+            mbarrier.init(empty.index(i), count=1)
+        return w_s, x_s, ready, empty
+
+    @gluon.jit
     def _moe_gemm_ws_kernel(
         w_desc,  # TMA descriptor of the packed weights as uint8 [E * N, K / 2], 64 x 64 boxes
         x_ptr,
@@ -535,15 +551,8 @@ if GLUON_AVAILABLE:
         pid_m = gl.program_id(1)
         grid_m = gl.num_programs(1)
         pid_k = gl.program_id(2)
-        XS32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        w_s = gl.allocate_shared_memory(gl.uint8, [NS, _BM, _BK // 2], w_desc.layout)
-        x_s = gl.allocate_shared_memory(gl.int32, [NS, BT, 64], XS32)
-        BL: gl.constexpr = mbarrier.MBarrierLayout()
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], BL)
-        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], BL)
-        for i in gl.static_range(NS):
-            mbarrier.init(ready.index(i), count=33)  # the TMA's expect + the producer warp's 32 lanes
-            mbarrier.init(empty.index(i), count=1)
+        W_BOX: gl.constexpr = w_desc.layout
+        w_s, x_s, ready, empty = ws_ring(_BK // 2, W_BOX, BT, NS)
         gl.warp_specialize(
             [
                 (_ws_math, (w_s, x_s, ready, empty, ws_ptr, off_ptr, out_ptr, R, N, K, E, stride_wse, stride_wsn,
