@@ -630,7 +630,8 @@ def main() -> None:
     def graphed_rows(case, forward, reps, nbytes, flops):
         """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, with ``--wide-baseline``
         without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), with ``--ws-baseline`` with the expert
-        GEMM's cp.async kernel, with ``--wide-rows`` with its rows window, in the same run."""
+        GEMM's cp.async kernel and the dense decode kernel whose threads copy, with ``--wide-rows`` with its rows
+        window, in the same run."""
         from deepinfer_vllm.ops.triton import fp8_gemm, fp8_gemm_gluon, moe_gemm_gluon, pdl
 
         wide_rows, ws_rows = fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS
