@@ -527,49 +527,48 @@ def gluon_fp8_block_gemm(
     wi = w.view(torch.int32)
     si = s.view(torch.int32)
     grid = (n // (64 * wg), triton.cdiv(m, bt), split)
+    target = part if split > 1 and not fixup else out
+    counters = split_counters(x.device, grid[0] * grid[1]) if fixup else part
     if cfg.get("WS"):
         if wg != 1 or x_tiled:
             raise ValueError("the warp-specialised decode kernel takes one warpgroup and x gathered (X_TILED off)")
         w_desc = TensorDescriptor.from_tensor(w, [64, BK], _W_BOX)
         _fp8_decode_ws_kernel[grid](
-            w_desc, xi, si, part if split > 1 and not fixup else out, part,
-            split_counters(x.device, grid[0] * grid[1]) if fixup else part, m, n, k, xi.stride(0), si.stride(0),
-            out.stride(0), k_per_split // BK, n // groups, WL=_word_layout(1), BT=bt, NS=ns, SPLIT=split,
+            w_desc, xi, si, target, part, counters, m, n, k, xi.stride(0), si.stride(0), out.stride(0),
+            k_per_split // BK, n // groups, WL=_word_layout(1), BT=bt, NS=ns, SPLIT=split,
             OUT_BF16=out.dtype == torch.bfloat16, FIXUP=fixup, LOAD_REGS=cfg.get("LOAD_REGS", 40), num_warps=4,
             maxnreg=cfg.get("MAXNREG"), **pdl_args(xi.device),
         )
-        if split > 1 and not fixup:
-            splitk_reduce(part, out)
-        return out
-    _fp8_gemm_gluon_kernel[grid](
-        xi,
-        wi,
-        si,
-        part if split > 1 and not fixup else out,
-        part,
-        split_counters(x.device, grid[0] * grid[1]) if fixup else part,
-        m,
-        n,
-        k,
-        xi.stride(0),
-        wi.stride(0),
-        si.stride(0),
-        out.stride(0),
-        k_per_split // BK,
-        n // groups,
-        WL=_word_layout(wg),
-        WG=wg,
-        BT=bt,
-        NS=ns,
-        SPLIT=split,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        ASYNC=cfg.get("ASYNC", False),
-        FIXUP=fixup,
-        X_TILED=x_tiled,
-        num_warps=4 * wg,
-        maxnreg=cfg.get("MAXNREG"),
-        **pdl_args(xi.device),
-    )
+    else:
+        _fp8_gemm_gluon_kernel[grid](
+            xi,
+            wi,
+            si,
+            target,
+            part,
+            counters,
+            m,
+            n,
+            k,
+            xi.stride(0),
+            wi.stride(0),
+            si.stride(0),
+            out.stride(0),
+            k_per_split // BK,
+            n // groups,
+            WL=_word_layout(wg),
+            WG=wg,
+            BT=bt,
+            NS=ns,
+            SPLIT=split,
+            OUT_BF16=out.dtype == torch.bfloat16,
+            ASYNC=cfg.get("ASYNC", False),
+            FIXUP=fixup,
+            X_TILED=x_tiled,
+            num_warps=4 * wg,
+            maxnreg=cfg.get("MAXNREG"),
+            **pdl_args(xi.device),
+        )
     if split > 1 and not fixup:
         splitk_reduce(part, out)
     return out
