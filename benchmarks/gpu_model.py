@@ -575,6 +575,12 @@ def main() -> None:
         "(ops/triton/fp8_gemm_gluon.py, WARP_SPECIALIZED = False)",
     )
     parser.add_argument(
+        "--stored-baseline",
+        action="store_true",
+        help="also time each graphed case with the fp32-weight stored GEMMs on 8 warps for 64 weight rows (two MMA "
+        "layouts for the three dots: the configuration before the fifteenth session; ops/triton/stored_gemm.py)",
+    )
+    parser.add_argument(
         "--pdl-baseline",
         action="store_true",
         help="also time each graphed case with programmatic dependent launch off (ops/triton/pdl.py)",
@@ -630,23 +636,35 @@ def main() -> None:
     def graphed_rows(case, forward, reps, nbytes, flops):
         """The graphed step; with ``--pdl-baseline`` also captured and timed without PDL, with ``--wide-baseline``
         without the wide dense GEMM kernel (``fp8_gemm.WIDE_ROWS`` empty), with ``--ws-baseline`` with the expert
-        GEMM's cp.async kernel and the dense decode kernel whose threads copy, with ``--wide-rows`` with its rows
-        window, in the same run."""
-        from deepinfer_vllm.ops.triton import fp8_gemm, fp8_gemm_gluon, moe_gemm_gluon, pdl
+        GEMM's cp.async kernel and the dense decode kernel whose threads copy, with ``--stored-baseline`` with the
+        fp32-weight stored GEMMs on 8 warps, with ``--wide-rows`` with its rows window, in the same run."""
+        from deepinfer_vllm.ops.triton import fp8_gemm, fp8_gemm_gluon, moe_gemm_gluon, pdl, stored_gemm
 
         wide_rows, ws_rows = fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS
-        dense_ws = fp8_gemm_gluon.WARP_SPECIALIZED
-        modes = [("graphed", True, wide_rows, ws_rows, dense_ws)]
-        modes += [("no PDL", False, wide_rows, ws_rows, dense_ws)] if args.pdl_baseline else []
-        modes += [("no wide", True, (0, 0), ws_rows, dense_ws)] if args.wide_baseline else []
-        modes += [("no WS", True, wide_rows, 0, False)] if args.ws_baseline else []
+        dense_ws, stored_cfg = fp8_gemm_gluon.WARP_SPECIALIZED, stored_gemm.stored_config
+
+        def stored_8_warps(m, n, k, w_fp32, sms=132):
+            cfg = stored_cfg(m, n, k, w_fp32, sms)
+            return dict(cfg, num_warps=8) if w_fp32 and not cfg.get("GEMV") else cfg
+
+        def stored_3_acc(m, n, k, w_fp32, sms=132):
+            cfg = stored_cfg(m, n, k, w_fp32, sms)
+            return dict(cfg, ACC3=True, BM=min(cfg["BM"], 64)) if w_fp32 and not cfg.get("GEMV") else cfg
+
+        base = (True, wide_rows, ws_rows, dense_ws, stored_cfg)
+        modes = [("graphed", *base)]
+        modes += [("no PDL", False, *base[1:])] if args.pdl_baseline else []
+        modes += [("no wide", True, (0, 0), *base[2:])] if args.wide_baseline else []
+        modes += [("no WS", True, wide_rows, 0, False, stored_cfg)] if args.ws_baseline else []
+        if args.stored_baseline:
+            modes += [("st 8w", *base[:-1], stored_8_warps), ("st 3acc", *base[:-1], stored_3_acc)]
         if args.wide_rows:
             lo, hi = (int(v) for v in args.wide_rows.split(","))
-            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi), ws_rows, dense_ws)]
+            modes += [(f"w{lo}-{hi - 1}", True, (lo, hi), *base[2:])]
 
-        def switch(enabled, rows, ws, dws):
+        def switch(enabled, rows, ws, dws, stored):
             pdl.ENABLED, fp8_gemm.WIDE_ROWS, moe_gemm_gluon.WS_MAX_ROWS = enabled, rows, ws
-            fp8_gemm_gluon.WARP_SPECIALIZED = dws
+            fp8_gemm_gluon.WARP_SPECIALIZED, stored_gemm.stored_config = dws, stored
 
         for mode, *setting in modes:
             switch(*setting)
@@ -654,7 +672,7 @@ def main() -> None:
                 replay = graphed(forward)  # (its warm-up compiles this mode's kernels outside the capture)
                 report(case, mode, timed(replay, reps, device), nbytes, flops)
             finally:
-                switch(True, wide_rows, ws_rows, dense_ws)
+                switch(*base)
             del replay
             torch.cuda.empty_cache()
 

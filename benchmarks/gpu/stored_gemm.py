@@ -2,14 +2,15 @@
 
 Shapes of the release: the compressor's fp32 ``wkv`` / ``wgate`` ``[512, 5120]``, the
 router's bf16 ``[384, 5120]`` and the indexer's bf16 ``weights_proj`` ``[64, 5120]``. Rows: a plain
-reader of the weight's bytes (the ceiling); decode M = 1, 2, 64, 256 and prefill M = 8192, each beside
+reader of the weight's bytes (the ceiling); decode M = 1, 2, 16, 64, 256 and prefill M = 8192, each beside
 today's path, ``torch.matmul`` of the fp32-widened operands (cuBLAS SIMT sgemm; the widening
 included, as ``ops.weight_gemm.gemm_stored`` does it), measured in this run. bytes = weight +
 x + out; "% copy" is against the device-to-device copy rate. At M <= ``GEMV_ROWS`` (the CUDA-core
 path) the tensor-core kernel on the same call follows; at M >= ``VENDOR_ROWS`` (cuBLAS on the weight's bf16
 parts) the Triton tensor-core kernel on the same call follows; at ``SPLIT_M`` rows the tensor-core kernel at
 K splits of 1-8 beside its default (16 for these shapes: at 256 rows the fp32 partials, 16 x 256 x 512 x 4
-bytes, outweigh the compressor's 10.5 MB weight).
+bytes, outweigh the compressor's 10.5 MB weight); for the fp32 weight between those, the same tiles on 8
+warps (the configuration before the fifteenth session: two MMA layouts for the three dots).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from deepinfer_vllm.ops.triton.stored_gemm import (  # noqa: E402
 )
 
 SHAPES = [(512, 5120, torch.float32), (384, 5120, torch.bfloat16), (64, 5120, torch.bfloat16)]
-DECODE_M = (1, 2, 64, 256)
+DECODE_M = (1, 2, 16, 64, 256)
 LARGE_M = 8192
 SPLIT_M = (64, 256)  # decode sizes also timed at other K splits (the default: 16, partials of up to 8 MB)
 
@@ -73,6 +74,11 @@ def run(ceilings: Ceilings) -> list[Row]:
                 others.append(("tensor cores", tc))
             elif m in SPLIT_M:  # its K split: the default's against fewer (less fp32 partial traffic)
                 others += [(f"split {sp}", dict(cfg, SPLIT=sp)) for sp in (1, 2, 4, 8) if sp != cfg["SPLIT"]]
+            if dtype == torch.float32 and GEMV_ROWS < m < VENDOR_ROWS and cfg["num_warps"] == 4:
+                # the fourteenth session's configuration: 8 warps, two MMA layouts for the three dots
+                others.append(("8 warps", dict(cfg, num_warps=8)))
+                others.append(("BN128 8 warps", dict(cfg, BN=128, num_warps=8)))  # one layout: 64 rows a warpgroup
+                others.append(("3 accumulators", dict(cfg, ACC3=True, BM=min(cfg["BM"], 64))))
             for label, tc in others:
                 t_tc = time_s(lambda tc=tc: stored_gemm(x, w, torch.float32, config=tc))  # noqa: B023
                 rows.append(

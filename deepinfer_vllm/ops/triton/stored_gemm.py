@@ -174,6 +174,7 @@ def _stored_gemm_kernel(
     W_F32: tl.constexpr,  # fp32 weight: three bf16 dots (hi, mid, lo), else one
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
     PDL: tl.constexpr,
+    ACC3: tl.constexpr = False,  # fp32 weight: one accumulator per part (independent, asynchronous wgmmas)
 ):
     grid_wait(PDL)
     pid_n = tl.program_id(0)
@@ -188,6 +189,8 @@ def _stored_gemm_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BN, BM], tl.float32)
+    acc_m = tl.zeros([BN, BM], tl.float32)
+    acc_l = tl.zeros([BN, BM], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         kmask = kk < k_hi
@@ -196,10 +199,16 @@ def _stored_gemm_kernel(
         if W_F32:
             hi, mid, lo = bf16x3(w)
             acc = dot_bf16(hi, xt, acc, F32_DOT)
-            acc = dot_bf16(mid, xt, acc, F32_DOT)
-            acc = dot_bf16(lo, xt, acc, F32_DOT)
+            if ACC3:
+                acc_m = dot_bf16(mid, xt, acc_m, F32_DOT)
+                acc_l = dot_bf16(lo, xt, acc_l, F32_DOT)
+            else:
+                acc = dot_bf16(mid, xt, acc, F32_DOT)
+                acc = dot_bf16(lo, xt, acc, F32_DOT)
         else:
             acc = dot_bf16(w, xt, acc, F32_DOT)
+    if ACC3:
+        acc = acc + (acc_m + acc_l)
     omask = n_mask[:, None] & m_mask[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
     store_tile(
@@ -278,9 +287,10 @@ def stored_config(m: int, n: int, k: int, w_fp32: bool, sms: int = 132) -> dict:
     """Tiles and K splits from shapes only: up to ``GEMV_ROWS`` rows the CUDA-core kernel
     (``gemv_config``); else ``fp8_gemm.pick_config``'s tiles, the K tile at most
     64 for an fp32 weight (its stages stay in shared memory) and 128-row tiles from M = 1024
-    (three A operands and the accumulator stay in registers); K split into up to ``MAX_SPLIT``
-    parts until about two programs per SM have work, the row tile halved to 64 first where
-    the weight has few rows (the compressor's 512)."""
+    (three A operands and the accumulator stay in registers), four warps per 64 weight rows
+    (one MMA layout for its three dots); K split into up to ``MAX_SPLIT`` parts until about two
+    programs per SM have work, the row tile halved to 64 first where the weight has few rows
+    (the compressor's 512)."""
     if m <= GEMV_ROWS:
         return gemv_config(m, n, k, sms)
     cfg = pick_config(m, n, k, sms=sms)
@@ -292,6 +302,11 @@ def stored_config(m: int, n: int, k: int, w_fp32: bool, sms: int = 132) -> dict:
     m_tiles = triton.cdiv(m, cfg["BM"])
     if m_tiles * triton.cdiv(n, cfg["BN"]) * min(MAX_SPLIT, max(k_tiles // 2, 1)) < 2 * sms:
         cfg["BN"] = 64
+    if w_fp32:
+        # Warps along the weight rows only: 64 per warpgroup. At 8 warps on a 64-row tile Triton gives the
+        # three register-operand dots two MMA layouts and converts the accumulator between them through
+        # shared memory twice per K tile (the kernel ran at ~1.2 TFLOP/s per program, benchmarks/README.md).
+        cfg["num_warps"] = 4 * (cfg["BN"] // 64)
     tiles = m_tiles * triton.cdiv(n, cfg["BN"])
     split = 1
     while tiles * split < 2 * sms and split * 2 <= min(MAX_SPLIT, k_tiles // 2):
