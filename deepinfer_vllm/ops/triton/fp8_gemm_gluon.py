@@ -172,6 +172,14 @@ if GLUON_AVAILABLE:
     _PTX = gl.constexpr(E4M3_PTX)
 
     @gluon.jit
+    def e8m0_multipliers(sw, shift):
+        """Scale words ``sw [rows]`` (int32, four UE8M0 bytes) and ``shift [cols]`` (8 x the byte a column uses)
+        -> ``[rows, cols]`` int32: the bf16x2 multiplier 2^(s - 7) of ``E4M3_PTX``'s ``$5`` in both halves, the
+        byte ``s`` added into each half's exponent field (bit 7) of 2^-7 (bf16 0x3C00)."""
+        sb = (sw[:, None] >> shift[None, :]) & 0xFF
+        return sb * 0x00800080 + 0x3C003C00
+
+    @gluon.jit
     def _decode_tile(words, f, BW: gl.constexpr, DOT_A: gl.constexpr):
         """``words [BW, 32]`` int32 (lane q's eight words per row are its 32 bytes) and the per-word bf16x2
         multiplier ``f`` -> the ``[BW, 128]`` bf16 A fragment in the reordered K."""
@@ -341,8 +349,7 @@ if GLUON_AVAILABLE:
             sw = sw_next
             sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
             words = w_s.index(stage).load(WL)
-            sb = (sw[:, None] >> shift[None, :]) & 0xFF
-            f = sb * 0x00800080 + 0x3C003C00
+            f = e8m0_multipliers(sw, shift)
             if X_TILED:
                 a = _decode_tile_tiled(words, f, BW, DOT_A)
             else:
@@ -417,8 +424,7 @@ if GLUON_AVAILABLE:
             mbarrier.wait(ready.index(stage), (kt // NS) & 1)
             fence_async_shared()  # the producer's cp.async writes of x, before the wgmma reads them
             words = w_s.index(stage)._reinterpret(gl.int32, [64, 32], W32).load(WL)
-            sb = (sw[:, None] >> shift[None, :]) & 0xFF
-            a = _decode_tile(words, sb * 0x00800080 + 0x3C003C00, 64, DOT_A)
+            a = _decode_tile(words, e8m0_multipliers(sw, shift), 64, DOT_A)
             xb = x_s.index(stage)._reinterpret(gl.bfloat16, [BT, 128], XS)
             acc = warpgroup_mma(a, xb.permute((1, 0)), acc)
             mbarrier.arrive(empty.index(stage), count=1)

@@ -53,7 +53,7 @@ if GLUON_AVAILABLE:
         warpgroup_mma_wait,
     )
 
-    from deepinfer_vllm.ops.triton.fp8_gemm_gluon import operand_pointers
+    from deepinfer_vllm.ops.triton.fp8_gemm_gluon import e8m0_multipliers, operand_pointers
     from deepinfer_vllm.ops.triton.moe_gemm_gluon import issue_tile
 
 __all__ = ["gluon_fp8_wide_config", "gluon_fp8_wide_gemm", "gluon_fp8_wide_supported"]
@@ -159,9 +159,7 @@ if GLUON_AVAILABLE:
             sw = sw_next
             sw_next = gl.load(s_row_ptr + gl.minimum(kt + 1, n_kt - 1))
             words = w_s.index(stage).load(RL)
-            sb = (sw[:, None] >> shift[None, :]) & 0xFF
-            f = sb * 0x00800080 + 0x3C003C00
-            b_s.index(buf).store(_decode_natural(words, f))
+            b_s.index(buf).store(_decode_natural(words, e8m0_multipliers(sw, shift)))
             fence_async_shared()
             # this warpgroup's wgmma of tile kt - 1 (which read x stage (kt - 1) % NS and the other buffer) is done
             acc = warpgroup_mma_wait(0, deps=[acc])
