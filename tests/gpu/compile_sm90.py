@@ -14,8 +14,9 @@ on the path:
     PYTHONPATH=/tmp/t36:$PWD python tests/gpu/compile_sm90.py [--ptxas-v] [--dump-ptx DIR] [pytest arguments: tests/gpu]
 
 For a kernel compiled with ``PDL`` it checks that the PTX waits for the grid dependency
-(``griddepcontrol.wait``) before its first global memory access. It prints each failure and the counts; exit
-status 1 if anything failed. ``--ptxas-v`` lists registers and spills per kernel, and the kernels whose
+(``griddepcontrol.wait``) before its first global memory access, and that no Triton kernel converts an MMA
+accumulator between two MMA layouts (a loop whose dots got different warp layouts). It prints each failure and
+the counts; exit status 1 if anything failed. ``--ptxas-v`` lists registers and spills per kernel, and the kernels whose
 asynchronous wgmmas ptxas serialized.
 """
 
@@ -36,6 +37,11 @@ os.environ.pop("TRITON_INTERPRET", None)
 _GLOBAL_ACCESS = re.compile(
     r"^\s*(@!?%p\d+\s+)?((ld|st|atom|red|prefetch)\.[\w:.]*global|cp\.async|cp\.reduce)", re.M
 )
+
+
+# An MMA accumulator converted to another MMA layout (Triton gave one loop's dots different warp layouts: the
+# accumulator goes through shared memory at each conversion; the stored-weight GEMM on 8 warps did it twice per K tile).
+_MMA_TO_MMA = re.compile(r"ttg\.convert_layout %\S+ : tensor<[^>]*#mma\d*> -> tensor<[^>]*#mma\d*>")
 
 
 def _check_pdl_ptx(ptx: str) -> str | None:
@@ -138,6 +144,9 @@ class Compiler:
         if self.dump_ptx is not None:
             self.dump_ptx.mkdir(parents=True, exist_ok=True)
             (self.dump_ptx / f"{name.rsplit('.', 1)[-1]}-{kernel.hash[:12]}.ptx").write_text(kernel.asm["ptx"])
+        ttgir = kernel.asm.get("ttgir", "")
+        if _MMA_TO_MMA.search(ttgir):
+            self.failures.setdefault(f"{name}: an MMA accumulator converted between MMA layouts ({kwargs})", name)
         if kwargs.get("PDL"):
             self.pdl_checked += 1
             problem = _check_pdl_ptx(kernel.asm["ptx"])
