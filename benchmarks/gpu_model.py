@@ -647,17 +647,12 @@ def main() -> None:
             cfg = stored_cfg(m, n, k, w_fp32, sms)
             return dict(cfg, num_warps=8) if w_fp32 and not cfg.get("GEMV") else cfg
 
-        def stored_3_acc(m, n, k, w_fp32, sms=132):
-            cfg = stored_cfg(m, n, k, w_fp32, sms)
-            return dict(cfg, ACC3=True, BM=min(cfg["BM"], 64)) if w_fp32 and not cfg.get("GEMV") else cfg
-
         base = (True, wide_rows, ws_rows, dense_ws, stored_cfg)
         modes = [("graphed", *base)]
         modes += [("no PDL", False, *base[1:])] if args.pdl_baseline else []
         modes += [("no wide", True, (0, 0), *base[2:])] if args.wide_baseline else []
         modes += [("no WS", True, wide_rows, 0, False, stored_cfg)] if args.ws_baseline else []
-        if args.stored_baseline:
-            modes += [("st 8w", *base[:-1], stored_8_warps), ("st 3acc", *base[:-1], stored_3_acc)]
+        modes += [("st 8w", *base[:-1], stored_8_warps)] if args.stored_baseline else []
         if args.wide_rows:
             lo, hi = (int(v) for v in args.wide_rows.split(","))
             modes += [(f"w{lo}-{hi - 1}", True, (lo, hi), *base[2:])]

@@ -77,8 +77,6 @@ def run(ceilings: Ceilings) -> list[Row]:
             if dtype == torch.float32 and GEMV_ROWS < m < VENDOR_ROWS and cfg["num_warps"] == 4:
                 # the fourteenth session's configuration: 8 warps, two MMA layouts for the three dots
                 others.append(("8 warps", dict(cfg, num_warps=8)))
-                others.append(("BN128 8 warps", dict(cfg, BN=128, num_warps=8)))  # one layout: 64 rows a warpgroup
-                others.append(("3 accumulators", dict(cfg, ACC3=True, BM=min(cfg["BM"], 64))))
             for label, tc in others:
                 t_tc = time_s(lambda tc=tc: stored_gemm(x, w, torch.float32, config=tc))  # noqa: B023
                 rows.append(

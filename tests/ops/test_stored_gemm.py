@@ -131,6 +131,16 @@ def test_gemv_path_is_chosen_and_refuses_more_rows(K):
         K.stored_gemm(x, w, config=dict(GEMV=True, BN=32, BK=64, SPLIT=1, num_warps=4))
 
 
+def test_fp32_weight_tiles_put_one_warpgroup_on_64_weight_rows(K):
+    """Warps only along the weight rows for an fp32 weight's three dots: on 8 warps a 64-row tile got two MMA
+    layouts on sm90 and its accumulator went through shared memory twice per K tile (2.2x slower at 256 rows on an
+    H100; ``tests/gpu/compile_sm90.py`` fails such a kernel). bf16 weights (one dot) keep their tiles' warps."""
+    for m in range(K.GEMV_ROWS + 1, 1100, 7):
+        cfg = K.stored_config(m, 512, 5120, True)
+        assert cfg["num_warps"] == 4 * cfg["BN"] // 64, (m, cfg)
+    assert K.stored_config(256, 384, 5120, False)["num_warps"] == 8
+
+
 def test_stored_gemm_op_triton_path(K):
     op = StoredGemm("cpu", torch.bfloat16)
     assert op.backend == "torch"

@@ -174,7 +174,6 @@ def _stored_gemm_kernel(
     W_F32: tl.constexpr,  # fp32 weight: three bf16 dots (hi, mid, lo), else one
     F32_DOT: tl.constexpr,  # interpreter: bf16 operands multiplied as fp32 (same products)
     PDL: tl.constexpr,
-    ACC3: tl.constexpr = False,  # fp32 weight: one accumulator per part (independent, asynchronous wgmmas)
 ):
     grid_wait(PDL)
     pid_n = tl.program_id(0)
@@ -189,8 +188,6 @@ def _stored_gemm_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BN, BM], tl.float32)
-    acc_m = tl.zeros([BN, BM], tl.float32)
-    acc_l = tl.zeros([BN, BM], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         kmask = kk < k_hi
@@ -199,16 +196,10 @@ def _stored_gemm_kernel(
         if W_F32:
             hi, mid, lo = bf16x3(w)
             acc = dot_bf16(hi, xt, acc, F32_DOT)
-            if ACC3:
-                acc_m = dot_bf16(mid, xt, acc_m, F32_DOT)
-                acc_l = dot_bf16(lo, xt, acc_l, F32_DOT)
-            else:
-                acc = dot_bf16(mid, xt, acc, F32_DOT)
-                acc = dot_bf16(lo, xt, acc, F32_DOT)
+            acc = dot_bf16(mid, xt, acc, F32_DOT)
+            acc = dot_bf16(lo, xt, acc, F32_DOT)
         else:
             acc = dot_bf16(w, xt, acc, F32_DOT)
-    if ACC3:
-        acc = acc + (acc_m + acc_l)
     omask = n_mask[:, None] & m_mask[None, :]
     tile = pid_m * tl.num_programs(0) + pid_n
     store_tile(
