@@ -33,7 +33,7 @@ import torch
 from deepinfer_vllm.configs import checkpoint as ckpt
 from deepinfer_vllm.ops.dspark import confidence, context_window, markov_logits
 from deepinfer_vllm.ops.quant import mxfp8_qdq
-from deepinfer_vllm.tools.threads import one_thread
+from deepinfer_vllm.tools.threads import one_thread, reused_heap
 
 __all__ = ["Recipe", "recipe_prompts", "train_draft"]
 
@@ -132,7 +132,7 @@ def train_draft(model_dir: str | Path, recipe: Recipe = Recipe(), log=print) -> 
     from deepinfer_vllm.reference.model import ReferenceV41
 
     model_dir = Path(model_dir)
-    with one_thread():
+    with one_thread(), reused_heap():
         torch.manual_seed(recipe.seed)
         g = torch.Generator().manual_seed(recipe.seed)
         target = ReferenceV41.from_pretrained(model_dir, dtype=torch.float32)

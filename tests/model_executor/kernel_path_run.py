@@ -7,6 +7,7 @@ usage: kernel_path_run.py CHECKPOINT OUT.pt
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from v41_harness import PagedHarness
@@ -28,6 +29,10 @@ def prompts() -> dict[str, list[int]]:
 
 
 def main(checkpoint: str, out_path: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.ops.interpreted import scan_builtins_once
+
+    scan_builtins_once()  # the interpreter's builtins listed once (same kernels, ~25% less time)
     torch.set_num_threads(1)
     harness = PagedHarness(checkpoint, dtype="float32")
     p = prompts()
