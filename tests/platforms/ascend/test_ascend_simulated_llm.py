@@ -40,6 +40,7 @@ SCRIPT = textwrap.dedent(
         from vllm.platforms import current_platform
         model, prompts, extra = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
         mixed = extra.pop("mixed_sampling", False)
+        batch_only = extra.pop("batch_only", False)  # the batch alone: no repeated prompt, no prefix hit
         settings = dict(max_num_batched_tokens=32, num_gpu_blocks_override=20)
         settings.update(extra)
         llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enable_chunked_prefill=True,
@@ -53,9 +54,11 @@ SCRIPT = textwrap.dedent(
         request_ids = [o.request_id for o in outs]
         preempted = metric("vllm:num_preemptions") - preempt0
         hits0 = metric("vllm:prefix_cache_hits")
-        again_out = llm.generate([{"prompt_token_ids": prompts[2]}], greedy)[0]
-        again = list(again_out.outputs[0].token_ids)
-        request_ids.append(again_out.request_id)
+        again = None
+        if not batch_only:
+            again_out = llm.generate([{"prompt_token_ids": prompts[2]}], greedy)[0]
+            again = list(again_out.outputs[0].token_ids)
+            request_ids.append(again_out.request_id)
         hits = metric("vllm:prefix_cache_hits") - hits0
         mixed_out, mixed_drafts = None, None
         if mixed:
@@ -181,6 +184,8 @@ def _replayed_reference(result, prompts, tiny_greedy, replay_admissions):
     preemptions the worker logged (SWA bounded replay)."""
     admissions = replay_admissions(result["replays"])
     want = [tiny_greedy(p, 16, admissions=admissions[r]) for p, r in zip(prompts, result["request_ids"])]
+    if result["again"] is None:  # batch_only
+        return want, None
     return want, tiny_greedy(prompts[2], 16, admissions=admissions[result["request_ids"][3]])
 
 
@@ -231,13 +236,19 @@ def test_simulated_npu_dspark_is_lossless(
 
 @pytest.mark.xdist_group("test_simulated_npu_catches_a_missing_host_to_device_copy")  # one engine each: side by side
 def test_simulated_npu_catches_a_missing_host_to_device_copy(
-    tiny_checkpoint, acceptance_prompts, reference_greedy, tmp_path
+    tiny_checkpoint, acceptance_prompts, tiny_greedy, replay_admissions, tmp_path
 ):
     """The simulation can fail: with the runner's copies to the device dropped, the model reads
-    stale device buffers and the tokens leave the reference (on the CPU runner, whose device
-    buffers are its host buffers, the same change would go unnoticed)."""
-    result, _ = _run(tiny_checkpoint, acceptance_prompts, tmp_path, drop_copies=True)
-    assert result["batched"] != reference_greedy
+    stale device buffers and the tokens leave the reference the same engine meets with its copies
+    (``test_simulated_npu_engine_matches_reference``: the reference with the replays the worker
+    logged; on the CPU runner, whose device buffers are its host buffers, the same change would go
+    unnoticed). The two shorter prompts in one batch are enough (the 200-token one and the repeated
+    prompt took half the run)."""
+    prompts = acceptance_prompts[:2]
+    result, _ = _run(tiny_checkpoint, prompts, tmp_path, drop_copies=True, batch_only=True)
+    batched, _ = _replayed_reference(result, prompts, tiny_greedy, replay_admissions)
+    assert [len(tokens) for tokens in result["batched"]] == [16, 16]
+    assert result["batched"] != batched
 
 
 # ------------------------------------------------------------- the OpenAI server on it
