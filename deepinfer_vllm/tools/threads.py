@@ -43,8 +43,9 @@ def reused_heap() -> Iterator[None]:
     glibc serves each allocation above its mmap threshold (at most 32 MB) with a fresh mapping and unmaps
     it on free, so a loop that allocates the same large tensors every step faults every page in again:
     the draft training's fp64 logits over the vocabulary (about 165 MB a step for ``tiny``) spent a third
-    of its time in the kernel that way (97 s with 33 s of system time; 64 s with this, same bytes). The
-    heap is trimmed back on exit."""
+    of its time in the kernel that way (97 s with 33 s of system time; 64 s with this, same bytes). On exit
+    the heap is trimmed and glibc's default values are set back (``mallopt`` cannot read the values before;
+    once either is set, glibc no longer adapts its mmap threshold for the rest of the process)."""
     libc = _glibc()
     if libc is None:
         yield
